@@ -154,6 +154,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16
     ppo_max_token_len_per_device: int = 4096
     logprob_chunk_size: int = 128
+    # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
+    # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
+    share_prefix_forward: bool = True
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=OptimConfig)
 

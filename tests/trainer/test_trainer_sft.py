@@ -31,13 +31,16 @@ def _examples(tok, n=8):
 def test_loss_counts_only_masked_targets():
     lm = load_model("tiny-test")
     ex = _examples(lm.tokenizer, 1)[0]
-    ids = torch.tensor([ex.input_ids])
-    mask = torch.tensor([ex.loss_mask])
-    attn = torch.ones_like(ids)
-    base, n = masked_token_loss_sum(lm.model, ids, attn, mask)
+    pad = lm.tokenizer.pad_token_id
+    base, n = masked_token_loss_sum(lm.model, [ex], pad)
     assert n == sum(ex.loss_mask[1:])
+    # The same sum from full logits: -log softmax at each masked target.
+    logits = lm.model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1].float()
+    nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.input_ids[1:])[:, None])[:, 0]
+    expected = (nll * torch.tensor(ex.loss_mask[1:], dtype=torch.float32)).sum()
+    assert abs(float(base.detach()) - float(expected)) < 1e-4 * float(expected)
     # With every target masked the loss is exactly zero; with the answer unmasked it is not.
-    zero, n0 = masked_token_loss_sum(lm.model, ids, attn, torch.zeros_like(mask))
+    zero, n0 = masked_token_loss_sum(lm.model, [Ex(ex.input_ids, [0] * len(ex.loss_mask))], pad)
     assert float(zero.detach()) == 0.0 and n0 == 0 and float(base.detach()) > 0
 
 

@@ -18,6 +18,7 @@ class MicroBatchPlan:
     batches: list[list[int]]  # row indices per micro-batch
     real_tokens: int
     padded_tokens: int
+    rows_tokens: int = 0  # sum of row lengths; differs from real_tokens with a shared prefix
 
     @property
     def padding_fraction(self) -> float:

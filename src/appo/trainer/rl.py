@@ -48,7 +48,8 @@ from appo.algos import (
     token_logprobs_and_entropy,
 )
 from appo.errors import AppoError
-from appo.trainer.batching import pad_right, plan_microbatches
+from appo.trainer.batching import pad_right
+from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 
 # ----------------------------------------------------------------------------- records
 
@@ -105,6 +106,7 @@ class UpdateSettings:
     max_token_len: int = 4096
     chunk_size: int = 128
     grad_clip: float = 1.0
+    share_prefix: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> UpdateSettings:
@@ -134,6 +136,7 @@ class UpdateSettings:
             max_token_len=a.ppo_max_token_len_per_device,
             chunk_size=a.logprob_chunk_size,
             grad_clip=a.grad_clip,
+            share_prefix=a.share_prefix_forward,
         )
 
     @property
@@ -206,6 +209,7 @@ def response_logprobs(
     chunk_size: int,
     with_entropy: bool,
     entropy_grad: bool = False,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `rows`.
 
@@ -213,12 +217,11 @@ def response_logprobs(
     real response tokens), R = longest response. Log-probs come from the final hidden
     states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
     `[b, T, V]` logits never exist; the model itself computes logits for one position only.
+    The rows' common prefix (a group's prompt) is computed once (`appo.trainer.forward`).
     """
     device = next(model.parameters()).device
     ids = pad_right(rows.input_ids, pad_id, torch.long).to(device)
-    attn = pad_right([[1] * len(x) for x in rows.input_ids], 0, torch.long).to(device)
-    out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [b, T, D], after the final norm
+    hidden = final_hidden_states(model, rows.input_ids, pad_id, share_prefix)  # [b, T, D]
     resp_lens = [len(m) for m in rows.loss_mask]
     width = max(resp_lens) if resp_lens else 0
     # Response token j of row i sits at position prompt_len + j and is predicted from the
@@ -249,12 +252,13 @@ def response_logprobs(
 
 @torch.no_grad()
 def batched_logprobs(model, rows: PolicyRows, pad_id: int, max_tokens: int,
-                     chunk_size: int) -> list[list[float]]:
+                     chunk_size: int, share_prefix: bool = True) -> list[list[float]]:
     """No-grad response log-probs for every row (old / reference policy), token-budgeted."""
-    lengths = [len(x) for x in rows.input_ids]
     result: list[list[float]] = [[] for _ in range(len(rows))]
-    for idx in plan_microbatches(lengths, max_tokens).batches:
-        logp, _, _ = response_logprobs(model, rows.subset(idx), pad_id, chunk_size, False)
+    plan = plan_shared_microbatches(rows.input_ids, max_tokens, rows.uids, share_prefix)
+    for idx in plan.batches:
+        logp, _, _ = response_logprobs(model, rows.subset(idx), pad_id, chunk_size, False,
+                                       share_prefix=share_prefix)
         for j, i in enumerate(idx):
             result[i] = logp[j, : rows.response_len(i)].float().cpu().tolist()
     return result
@@ -291,7 +295,7 @@ def update_policy(
     per_mb = max(1, settings.ppo_mini_batch_size // dp.world)
     n_mini = max(1, math.ceil(n_uids_global / dp.world / per_mb))
     sums: Counter = Counter()
-    padded_total = real_total = 0
+    padded_total = real_total = rows_total = 0
     model.train()
     for _epoch in range(settings.ppo_epochs):
         for m in range(n_mini):
@@ -304,9 +308,11 @@ def update_policy(
             n_tok, n_seq = dp.sum_floats([n_tok, n_seq])
             agg = LossAgg(settings.loss_agg_mode, max(n_tok, 1.0), max(n_seq, 1.0),
                           float(settings.max_response_length))
-            plan = plan_microbatches([len(x) for x in mini.input_ids], settings.max_token_len)
+            plan = plan_shared_microbatches(mini.input_ids, settings.max_token_len, mini.uids,
+                                            settings.share_prefix)
             padded_total += plan.padded_tokens
             real_total += plan.real_tokens
+            rows_total += plan.rows_tokens
             optimizer.zero_grad(set_to_none=True)
             for mb_idx in plan.batches:
                 mb = mini.subset(mb_idx)
@@ -328,10 +334,14 @@ def update_policy(
         grad_sum = sums["actor/grad_norm"]
         sums = merged
         sums["actor/grad_norm"] = grad_sum  # identical on every rank after the all-reduce
-        real_total, padded_total = dp.sum_floats([float(real_total), float(padded_total)])
+        real_total, padded_total, rows_total = dp.sum_floats(
+            [float(real_total), float(padded_total), float(rows_total)])
     steps = max(settings.ppo_epochs * n_mini, 1)
     out = {k: v / steps for k, v in sums.items()}
     out["actor/padding_frac"] = 1.0 - real_total / padded_total if padded_total else 0.0
+    # Share of the rows' tokens the shared-prefix forward did not have to compute.
+    out["actor/prefix_saving"] = 1.0 - padded_total / rows_total if rows_total else 0.0
+    out["actor/computed_tokens"] = float(padded_total) / max(settings.ppo_epochs, 1)
     out["actor/optimizer_steps"] = float(steps)
     return out
 
@@ -343,7 +353,7 @@ def _micro_step(model, mb: PolicyRows, s: UpdateSettings, agg: LossAgg, pad_id: 
     )
     logp, entropy, valid = response_logprobs(
         model, mb, pad_id, s.chunk_size, with_entropy=need_entropy,
-        entropy_grad=s.entropy_coeff != 0,
+        entropy_grad=s.entropy_coeff != 0, share_prefix=s.share_prefix,
     )
     mask = _tensor(mb.loss_mask, device) * valid
     adv = _tensor(mb.advantages, device)
@@ -654,11 +664,13 @@ class RLTrainer:
         if self.ref_model is not None:
             with timer.measure("ref_logp"):
                 rows.ref_logp = batched_logprobs(self.ref_model, rows, self.pad_id,
-                                                 self.update.max_token_len, self.update.chunk_size)
+                                                 self.update.max_token_len, self.update.chunk_size,
+                                                 self.update.share_prefix)
         if self.update.needs_old_logp:
             with timer.measure("old_logp"):
                 rows.old_logp = batched_logprobs(self.model, rows, self.pad_id,
-                                                 self.update.max_token_len, self.update.chunk_size)
+                                                 self.update.max_token_len, self.update.chunk_size,
+                                                 self.update.share_prefix)
         with timer.measure("update"):
             upd = update_policy(self.model, self.optimizer, rows, self.update, self.pad_id,
                                 self.dp, self.scheduler)

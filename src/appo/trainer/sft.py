@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 
-from appo.trainer.batching import pad_right
 from appo.trainer.checkpoint import save_checkpoint
 from appo.trainer.metrics import MetricsLogger
 
@@ -55,33 +54,45 @@ class SFTResult:
     checkpoint: Path | None = None
 
 
-def masked_token_loss_sum(model, input_ids, attention_mask, loss_mask) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over positions whose *target* has loss_mask=1."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    targets = input_ids[:, 1:]
-    mask = loss_mask[:, 1:].to(logits.dtype)
-    nll = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-    ).view_as(mask)
-    return (nll * mask).sum(), int(mask.sum().item())
+def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
+                          share_prefix: bool = True,
+                          chunk_size: int = 128) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over the targets with loss_mask=1, and their count.
 
+    Logits exist only for those targets, a chunk at a time, and the rows' common prefix
+    (the system prompt) is computed once (`appo.trainer.forward`).
+    """
+    from appo.algos import token_logprobs_and_entropy
+    from appo.trainer.forward import final_hidden_states
 
-def _collate(examples: list[TokenExample], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    ids = pad_right([e.input_ids for e in examples], pad_id, torch.long).to(device)
-    attn = pad_right([[1] * len(e.input_ids) for e in examples], 0, torch.long).to(device)
-    mask = pad_right([e.loss_mask for e in examples], 0, torch.long).to(device)
-    return ids, attn, mask
+    hidden = final_hidden_states(model, [e.input_ids for e in examples], pad_id, share_prefix)
+    rows, positions, targets = [], [], []
+    for i, e in enumerate(examples):
+        for p in range(1, len(e.input_ids)):
+            if e.loss_mask[p]:
+                # token p is predicted from the hidden state at p - 1
+                rows.append(i)
+                positions.append(p - 1)
+                targets.append(e.input_ids[p])
+    if not targets:
+        return hidden.sum() * 0.0, 0
+    head = model.get_output_embeddings()
+    device = hidden.device
+    picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+    logp, _ = token_logprobs_and_entropy(
+        picked, head.weight, torch.tensor(targets, device=device),
+        bias=getattr(head, "bias", None), chunk_size=chunk_size, with_entropy=False,
+    )
+    return -logp.sum(), len(targets)
 
 
 def evaluate_loss(model, examples: list[TokenExample], pad_id: int, batch_size: int = 8) -> float:
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(examples), batch_size):
-            ids, attn, mask = _collate(examples[i : i + batch_size], pad_id, device)
-            loss_sum, n = masked_token_loss_sum(model, ids, attn, mask)
+            loss_sum, n = masked_token_loss_sum(model, examples[i : i + batch_size], pad_id)
             total += float(loss_sum)
             count += n
     model.train(was_training)
@@ -106,7 +117,6 @@ def train_sft(
         from appo.errors import AppoError
 
         raise AppoError("SFT got no training examples")
-    device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if params.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -143,8 +153,8 @@ def train_sft(
             optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
             for m in range(0, len(window), params.batch_size):
-                ids, attn, mask = _collate(window[m : m + params.batch_size], pad_id, device)
-                loss_sum, _ = masked_token_loss_sum(model, ids, attn, mask)
+                loss_sum, _ = masked_token_loss_sum(model, window[m : m + params.batch_size],
+                                                    pad_id)
                 loss = loss_sum / max(step_tokens, 1)
                 loss.backward()
                 loss_total += float(loss.detach())
