@@ -140,4 +140,6 @@ def register(sub) -> None:
 
     p = sub.add_parser("demo", help="the main job on the embedded model (make demo)")
     add_config_args(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the demo's config (configs/demo.yaml) and exit")
     p.set_defaults(handler=_demo)

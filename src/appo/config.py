@@ -191,6 +191,7 @@ class SFTConfig:
     warmup_ratio: float = 0.1
     grad_clip: float = 1.0
     save_freq: int = -1
+    max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
     output_dir: str = "runs/sft"
 
 

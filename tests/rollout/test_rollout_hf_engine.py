@@ -104,6 +104,34 @@ def test_shared_prefill_and_counters(lm):
     assert eng.counters.prefilled - before == 1 + len(result)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
+def test_different_prompts_share_their_common_prefix(lm, lean):
+    tok = lm.tokenizer
+    system = tok.encode("A system prompt that every question of the batch starts with. ")
+    questions = [tok.encode(q) for q in ("What is 2+2?", "Name a colour, please.", "Hi")]
+    eng = HFEngine(lm.model, tok, seed=1, lean_forward=lean)
+    rec = Recorder(eng)
+    roots = [eng.add_row(system + q) for q in questions]
+    eng.prefill(roots)
+    # The system prompt is computed once; each prompt adds only its question but the last
+    # token (prefill leaves one pending token per row).
+    assert eng.counters.prefilled == len(system) + sum(len(q) - 1 for q in questions)
+    assert eng.counters.prefilled + eng.counters.reused == sum(
+        len(system) + len(q) - 1 for q in questions)
+    rows = [r for root in roots for r in rec.fork(root, 2)]
+    rec.decode(rows, [6, 9, 3, 12, 7, 5], SamplingParams())
+    for r in rows:
+        assert rec.max_error(lm.model, r) < TOL, r
+    # Rows without a prefill (decode directly) share the prefix the same way.
+    eng2 = HFEngine(lm.model, tok, seed=1, lean_forward=lean)
+    rec2 = Recorder(eng2)
+    direct = [eng2.add_row(system + q) for q in questions]
+    rec2.decode(direct, [5, 5, 5], SamplingParams())
+    assert eng2.counters.prefilled == len(system) + sum(len(q) for q in questions)
+    for r in direct:
+        assert rec2.max_error(lm.model, r) < TOL, r
+
+
 def test_no_reuse_mode_recomputes_every_context(lm):
     tok = lm.tokenizer
     prompt = tok.encode("baseline")

@@ -39,6 +39,9 @@ from appo.rollout.sampling import SamplingParams, sample
 from appo.rollout.stops import StopChecker, eos_ids_of
 
 
+MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a separate forward
+
+
 class _KV:
     """Keys/values `[layers, 2, kv_heads, length, head_dim]` of a row's first `length` tokens.
 
@@ -372,6 +375,8 @@ class HFEngine:
         `max_budget` more columns), its filled length, each batch row's first column, the
         logits after each batch row's last token, and the batch row of every input row.
         """
+        if self.reuse_cache:
+            self._share_common_prefix(rows, ends)
         groups: dict[tuple, list[int]] = {}
         for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
             pending = tuple(row.ids[row.kv_len : end])
@@ -414,6 +419,34 @@ class HFEngine:
             ends[i] - rows[i].kv_len for i in range(len(rows)) if i not in rep_set
         )
         return buf, n_max, start, logits, rep_of
+
+    def _share_common_prefix(self, rows: list[_Row], ends: list[int]) -> None:
+        """Rows with no cache that start with the same tokens (different prompts under one
+        system prompt) get that prefix computed once and shared, like a fork would.
+
+        Each row keeps at least one pending token, so the forward after this still has
+        work for every row; only rows with no cache yet are considered.
+        """
+        fresh = [(r, e) for r, e in zip(rows, ends, strict=True) if r.kv is None]
+        if len(fresh) < 2:
+            return
+        first = fresh[0][0].ids
+        shared = min(e for _, e in fresh) - 1
+        for row, _ in fresh[1:]:
+            k = 0
+            while k < shared and row.ids[k] == first[k]:
+                k += 1
+            shared = k
+        if shared < MIN_SHARED_PREFIX:
+            return
+        root = _Row(list(first[:shared]), None, shared)
+        buf, _, start, _, _ = self._prefill([root], [shared], 0)
+        kv = _KV(buf[:, :, 0, :, int(start[0]) : int(start[0]) + shared])
+        for row, _ in fresh:
+            row.kv = kv
+        # The caller counts every row's cached prefix as reused; one copy was computed here
+        # (and counted as prefilled), so prefilled + reused stays the tokens of the contexts.
+        self.counters.reused -= shared
 
     def _decode_loop(self, rows: list[_Row], outs: list[SegmentOutput], budgets: list[int],
                      params: SamplingParams, buf: Tensor, length: int, start: Tensor,

@@ -21,13 +21,7 @@ def _sft(args: argparse.Namespace) -> int:
         raise AppoError("sft.train_files produced no examples")
     val = sft_data_from_config(cfg, lm.tokenizer, "val").examples if cfg.sft.val_files else None
     s = cfg.sft
-    params = SFTParams(
-        epochs=s.epochs, batch_size=s.batch_size,
-        gradient_accumulation_steps=s.gradient_accumulation_steps, lr=s.lr,
-        weight_decay=s.weight_decay, warmup_ratio=s.warmup_ratio, grad_clip=s.grad_clip,
-        save_freq=s.save_freq, seed=cfg.trainer.seed,
-        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-    )
+    params = SFTParams.from_config(cfg)
     logger = MetricsLogger(s.output_dir, list(cfg.trainer.logger))
     print(f"appo sft: {len(train.examples)} examples "
           f"({train.stats.skipped_overlong} skipped as too long), model {cfg.model.path}")

@@ -737,7 +737,8 @@ class RLTrainer:
                                extra={"config": _plain_config(self.cfg)})
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> list[dict[str, float]]:
+    def fit(self, close: bool = True) -> list[dict[str, float]]:
+        """Train to `total_steps`; `close=False` keeps the tools open for more rollouts."""
         from tqdm.auto import tqdm
 
         t = self.cfg.trainer
@@ -766,7 +767,8 @@ class RLTrainer:
 
             plot_metrics(self.logger.path, PLOT_KEYS, self.out_dir / "plots")
         self.logger.close()
-        self.tools.close()
+        if close:
+            self.tools.close()
         return history
 
 

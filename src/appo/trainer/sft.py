@@ -43,6 +43,17 @@ class SFTParams:
     max_steps: int | None = None
     gradient_checkpointing: bool = False
 
+    @classmethod
+    def from_config(cls, cfg) -> SFTParams:
+        s = cfg.sft
+        return cls(
+            epochs=s.epochs, batch_size=s.batch_size,
+            gradient_accumulation_steps=s.gradient_accumulation_steps, lr=s.lr,
+            weight_decay=s.weight_decay, warmup_ratio=s.warmup_ratio, grad_clip=s.grad_clip,
+            save_freq=s.save_freq, seed=cfg.trainer.seed, max_steps=s.max_steps,
+            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+        )
+
 
 @dataclass
 class SFTResult:

@@ -1,0 +1,250 @@
+"""RL step cost on SmolLM2-135M (float32, CPU), and the same GRPO work on TRL's GRPOTrainer.
+
+Two parts, each in its own child process (so each framework's peak RSS is its own), in one
+script run:
+
+(1) appo, 16 trajectories of up to 256 tokens: `appo.trainer.rl.RLTrainer.train_step` with
+    arpo (n=8, 4 initial), the python tool, 2 prompts of `synth:arith` per step; seconds per
+    step split by phase (rollout / reward / advantage / update), rollout and training
+    tokens/s, peak RSS. Median over the timed steps after a warm-up step.
+(2) appo vs TRL `GRPOTrainer` on the same work: same model and prompts (the `math` template
+    with no tools), 2 prompts x 8 completions of up to 64 new tokens, temperature 1, grpo,
+    one PPO epoch (one optimizer step per step), no KL term (TRL's default beta=0), lr 1e-6.
+    Per-step wall time from a callback (TRL) or around `train_step` (appo); one warm-up step,
+    then the median of 3 steps; the ratio TRL / appo is the speed-up.
+
+TRL is a benchmark-only extra (`pip install -e '.[bench]'`, or `make bench`); without it
+part (2) reports that TRL is missing. Torch uses 2 threads in both children.
+
+    .venv/bin/python benchmarks/train_step.py            # full run, writes results/train_step.md
+    .venv/bin/python benchmarks/train_step.py --quick    # tiny-test model, 1 timed step, no write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "train_step.md"
+MACHINE = "2-core x86_64 CPU, 24 GiB, torch 2.13.0 CPU"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: str,
+                prompts: int = 2, n: int = 8):
+    from appo.config import load_config
+
+    over = [
+        f"model.path={model}",
+        "data.template=math",
+        "data.train_files=['synth:arith?split=train&levels=1,2,3&n=64']",
+        "data.val_files=[]",
+        "data.shuffle=false",
+        f"data.train_batch_size={prompts}",
+        "data.max_prompt_length=2048",
+        f"data.max_response_length={response_len}",
+        "tools.enabled=[python]" if tools else "tools.enabled=[]",
+        f"rollout.strategy={strategy}",
+        f"rollout.n={n}",
+        f"rollout.initial_rollouts={n // 2 if strategy == 'arpo' else n}",
+        "rollout.temperature=1.0",
+        "actor.optim.lr=1e-6",
+        "actor.optim.lr_scheduler=constant",
+        f"actor.ppo_mini_batch_size={prompts}",
+        "actor.ppo_epochs=1",
+        "actor.ppo_max_token_len_per_device=8192",
+        "trainer.total_steps=100",
+        "trainer.logger=[]",
+        f"trainer.default_local_dir={out}",
+    ]
+    return load_config(None, over)
+
+
+def worker_appo(args) -> dict:
+    import torch
+
+    from appo.trainer.rl import RLTrainer
+
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = appo_config(args.model, args.tools, args.response_len, args.strategy, tmp)
+        trainer = RLTrainer(cfg, progress=False)
+        steps = []
+        for i in range(1 + args.steps):
+            t0 = time.perf_counter()
+            m = trainer.train_step()
+            wall = time.perf_counter() - t0
+            trainer.step += 1
+            if i > 0:  # the first step warms up allocators and the sandbox
+                m["wall"] = wall
+                steps.append(m)
+        trainer.tools.close()
+    keys = ["wall", "time/rollout", "time/reward", "time/advantage", "time/update",
+            "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/trajectories",
+            "rollout/response_len", "rollout/tool_calls_per_traj", "actor/prefix_saving",
+            "actor/computed_tokens"]
+    out = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
+    out["step_walls"] = [s["wall"] for s in steps]
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def worker_trl(args) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        return {"missing": f"TRL not installed ({e}); pip install -e '.[bench]'"}
+    import trl
+
+    from appo.data import rl_data_from_config
+    from appo.models import load_model
+
+    lm = load_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = appo_config(args.model, False, args.response_len, "grpo", tmp)
+        examples = rl_data_from_config(cfg, "train", lm.tokenizer).examples
+        # appo's step k uses prompts [2k, 2k+2) of the same (unshuffled) list.
+        rows = [{"prompt": ex.prompt} for ex in examples[: 2 * (1 + args.steps)]]
+        dataset = Dataset.from_list(rows)
+
+        def length_reward(completions, **_):
+            return [float(len(c[0]["content"]) % 7) for c in completions]
+
+        class Timer(TrainerCallback):
+            def __init__(self):
+                self.walls, self.t0 = [], None
+
+            def on_step_begin(self, *a, **k):
+                self.t0 = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                self.walls.append(time.perf_counter() - self.t0)
+
+        timer = Timer()
+        config = GRPOConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, fp16=False,
+            per_device_train_batch_size=16, num_generations=8, gradient_accumulation_steps=1,
+            max_completion_length=args.response_len, temperature=1.0, top_p=1.0,
+            num_iterations=1, beta=0.0, learning_rate=1e-6, lr_scheduler_type="constant",
+            max_steps=1 + args.steps, logging_steps=1, report_to="none", save_strategy="no",
+            shuffle_dataset=False, dataloader_num_workers=0, seed=0,
+        )
+        trainer = GRPOTrainer(model=lm.model, reward_funcs=length_reward, args=config,
+                              train_dataset=dataset, processing_class=lm.tokenizer,
+                              callbacks=[timer])
+        trainer.train()
+        lengths = [h["completions/mean_length"] for h in trainer.state.log_history
+                   if "completions/mean_length" in h]
+    timed = timer.walls[1:]
+    return {"wall": statistics.median(timed), "step_walls": timed, "peak_rss_mb": peak_rss_mb(),
+            "completion_len": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
+            "trl_version": trl.__version__}
+
+
+def run_child(kind: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny-test model, 1 timed step")
+    p.add_argument("--worker", choices=["appo", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--response-len", type=int, default=64)
+    p.add_argument("--strategy", default="grpo")
+    p.add_argument("--tools", action="store_true")
+    args = p.parse_args()
+    if args.worker:
+        result = worker_appo(args) if args.worker == "appo" else worker_trl(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    model = "tiny-test" if args.quick else args.model
+    steps = "1" if args.quick else str(args.steps)
+    common = ["--model", model, "--steps", steps]
+    part1 = run_child("appo", common + ["--response-len", "256", "--strategy", "arpo", "--tools"])
+    print("part 1 (appo, arpo + python, 16 x 256):", json.dumps(part1), flush=True)
+    appo2 = run_child("appo", common + ["--response-len", "64", "--strategy", "grpo"])
+    print("part 2 appo:", json.dumps(appo2), flush=True)
+    trl2 = run_child("trl", common + ["--response-len", "64"])
+    print("part 2 trl:", json.dumps(trl2), flush=True)
+    if not args.quick:
+        write_results(part1, appo2, trl2)
+
+
+def write_results(part1: dict, appo2: dict, trl2: dict) -> None:
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    lines = [
+        "# RL step benchmarks", "",
+        f"Machine: {MACHINE} ({platform.processor() or platform.machine()}). "
+        f"Date: {datetime.date.today()}.", "",
+        "Command: `.venv/bin/python benchmarks/train_step.py` (TRL from `pip install -e "
+        "'.[bench]'`). Wall-clock seconds, medians of 3 steps after 1 warm-up step.", "",
+        "## (1) appo RL step on SmolLM2-135M: arpo + python, 2 prompts x 8 trajectories, "
+        "up to 256 response tokens", "",
+        "| phase | seconds |", "| --- | --- |",
+    ]
+    for k in ("time/rollout", "time/reward", "time/advantage", "time/update"):
+        lines.append(f"| {k.split('/')[1]} | {f(part1[k], 2)} |")
+    lines += [
+        f"| whole step | {f(part1['wall'], 2)} |", "",
+        f"- trajectories per step {f(part1['rollout/trajectories'], 0)}, mean response "
+        f"{f(part1['rollout/response_len'])} tokens, tool calls per trajectory "
+        f"{f(part1['rollout/tool_calls_per_traj'], 2)}",
+        f"- rollout {f(part1['perf/rollout_tokens_per_s'])} sampled tokens/s; update "
+        f"{f(part1['perf/train_tokens_per_s'])} tokens/s (prompt+response tokens of all rows; "
+        f"the shared-prefix forward skipped {part1['actor/prefix_saving']:.0%} of them)",
+        f"- peak RSS {part1['peak_rss_mb']:.0f} MB (target < 8192 MB)", "",
+        "## (2) the same GRPO step in appo and in TRL's GRPOTrainer", "",
+        "2 prompts x 8 completions, up to 64 new tokens, temperature 1, no tools, grpo, one "
+        "PPO epoch, beta 0, SmolLM2-135M float32 on CPU, 2 torch threads each.", "",
+    ]
+    if "missing" in trl2:
+        lines += [f"TRL: {trl2['missing']}", ""]
+    else:
+        ratio = trl2["wall"] / appo2["wall"]
+        lines += [
+            "| | seconds per step (median) | steps | mean completion tokens | peak RSS MB |",
+            "| --- | --- | --- | --- | --- |",
+            f"| appo | {f(appo2['wall'], 2)} | {', '.join(f(x, 1) for x in appo2['step_walls'])}"
+            f" | {f(appo2['rollout/response_len'])} | {appo2['peak_rss_mb']:.0f} |",
+            f"| TRL {trl2['trl_version']} GRPOTrainer | {f(trl2['wall'], 2)} | "
+            f"{', '.join(f(x, 1) for x in trl2['step_walls'])} | {f(trl2['completion_len'])} | "
+            f"{trl2['peak_rss_mb']:.0f} |", "",
+            f"**appo is {ratio:.2f}x faster per step** (TRL median / appo median; target >= "
+            "1.5x).", "",
+            f"appo phases: rollout {f(appo2['time/rollout'], 2)} s, update "
+            f"{f(appo2['time/update'], 2)} s (shared-prefix forward skipped "
+            f"{appo2['actor/prefix_saving']:.0%} of the rows' tokens).", "",
+        ]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(lines))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
