@@ -172,6 +172,9 @@ class TrainerConfig:
     rollout_data_dir: str | None = None
     resume: bool = False
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
+    # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
+    parallel: str = "auto"
     project_name: str = "appo"
     experiment_name: str = "default"
     seed: int = 42
@@ -239,6 +242,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.template": ("code_search", "math", "search"),
     "data.overlong": ("skip", "fail"),
     "rollout.name": ("hf", "vllm"),
+    "trainer.parallel": ("auto", "ddp", "fsdp"),
     "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),

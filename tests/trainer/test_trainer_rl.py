@@ -201,35 +201,48 @@ def _accelerate_launch(*args: str, timeout: float = 300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_two_process_update_matches_single_process(tmp_path):
-    out = tmp_path / "ddp.pt"
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_process_update_matches_single_process(tmp_path, mode):
+    out = tmp_path / f"{mode}.pt"
     r = _accelerate_launch(str(Path(__file__).parent / "ddp_update_worker.py"), str(out),
-                           str(Path(__file__).parent))
+                           str(Path(__file__).parent), mode)
     assert r.returncode == 0, r.stderr[-3000:]
-    ddp = torch.load(out)
+    dist = torch.load(out)
     lm = load_model("tiny-test")
     rows = _fixed_rows(lm.tokenizer, n=8)
     opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
     single = update_policy(lm.model, opt, rows, UpdateSettings(ppo_mini_batch_size=4,
                                                                 max_token_len=64),
                            lm.tokenizer.pad_token_id)
-    assert ddp["metrics"]["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"], rel=1e-5)
-    assert ddp["metrics"]["actor/pg_loss"] == pytest.approx(single["actor/pg_loss"], abs=1e-6)
-    for a, b in zip(ddp["params"], lm.model.parameters(), strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
+    assert dist["metrics"]["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"], rel=1e-5)
+    assert dist["metrics"]["actor/pg_loss"] == pytest.approx(single["actor/pg_loss"], abs=1e-6)
+    params = dict(lm.model.named_parameters())
+    assert set(params) <= set(dist["params"])
+    for name, p in params.items():
+        assert torch.allclose(dist["params"][name], p, atol=1e-5), name
 
 
-def test_two_process_training_run_completes(toy):
-    run = toy["dir"] / "ddp_run"
-    r = _accelerate_launch(
-        "-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
-        "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
-        f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo", "rollout.n=4",
-        "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2", "trainer.total_steps=2",
-        f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
-    )
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_training_run_completes(toy, parallel):
+    run = toy["dir"] / f"{parallel}_run"
+    args = ["-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
+            "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
+            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+            f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
+            f"trainer.parallel={parallel}", "trainer.save_freq=2"]
+    r = _accelerate_launch(*args, "trainer.total_steps=2")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["rollout/trajectories"] == 8 for row in rows)  # gathered from both ranks
     assert (run / "global_step_2" / "config.json").is_file()
+    # The checkpoint is a plain Hugging Face directory whatever the layout (FSDP gathers it).
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run / "global_step_2")
+    if parallel == "fsdp":  # resume from the gathered model and optimizer states
+        r = _accelerate_launch(*args, "trainer.total_steps=3", "trainer.resume=true")
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == [1, 2, 3]

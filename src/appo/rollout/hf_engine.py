@@ -38,7 +38,6 @@ from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import SamplingParams, sample
 from appo.rollout.stops import StopChecker, eos_ids_of
 
-
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a separate forward
 
 

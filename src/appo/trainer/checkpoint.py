@@ -53,7 +53,10 @@ def save_checkpoint(
     optimizer=None,
     scheduler=None,
     extra: dict[str, Any] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
+    """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
+    passes the gathered whole-model state)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
@@ -64,7 +67,8 @@ def save_checkpoint(
     torch.save(
         {
             "step": step,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": optimizer_state if optimizer_state is not None else (
+                optimizer.state_dict() if optimizer is not None else None),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": rng_state(),
             "extra": extra or {},

@@ -24,6 +24,8 @@ Deviations from the original (verl) and why:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import random
 import resource
@@ -50,6 +52,15 @@ from appo.algos import (
 from appo.errors import AppoError
 from appo.trainer.batching import pad_right
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
+from appo.trainer.fsdp import (
+    fsdp_requested,
+    full_model_state,
+    full_optimizer_state,
+    idle_step,
+    load_full_states,
+    shard_model,
+    to_float,
+)
 
 # ----------------------------------------------------------------------------- records
 
@@ -107,6 +118,9 @@ class UpdateSettings:
     chunk_size: int = 128
     grad_clip: float = 1.0
     share_prefix: bool = True
+    # FSDP: every rank runs the same number of forward/backward passes (idle ones if it has
+    # fewer micro-batches) and FSDP itself reduces the gradients.
+    lockstep: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> UpdateSettings:
@@ -180,6 +194,13 @@ class DataParallel:
         parts: list[list] = [None] * self.world  # type: ignore[list-item]
         self.dist.all_gather_object(parts, items)
         return [x for part in parts for x in part]
+
+    def max_int(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return int(t.item())
 
     def sum_floats(self, values: list[float]) -> list[float]:
         if not self.enabled:
@@ -290,10 +311,10 @@ def update_policy(
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = [i for i in range(len(rows)) if sum(rows.loss_mask[i]) > 0]
     uid_order = list(dict.fromkeys(rows.uids))
-    # Global mini-batch count: all ranks must run the same number of optimizer steps.
-    n_uids_global = dp.sum_floats([float(len(uid_order))])[0]
     per_mb = max(1, settings.ppo_mini_batch_size // dp.world)
-    n_mini = max(1, math.ceil(n_uids_global / dp.world / per_mb))
+    # All ranks run the same number of optimizer steps: as many mini-batches as the rank
+    # with the most groups needs.
+    n_mini = max(1, dp.max_int(math.ceil(len(uid_order) / per_mb)))
     sums: Counter = Counter()
     padded_total = real_total = rows_total = 0
     model.train()
@@ -313,17 +334,26 @@ def update_policy(
             padded_total += plan.padded_tokens
             real_total += plan.real_tokens
             rows_total += plan.rows_tokens
+            # FSDP gathers shards in every forward: all ranks must run as many (decided
+            # before any of them runs, or the collectives would interleave).
+            n_passes = dp.max_int(len(plan.batches)) if settings.lockstep else len(plan.batches)
             optimizer.zero_grad(set_to_none=True)
             for mb_idx in plan.batches:
                 mb = mini.subset(mb_idx)
-                metrics = _micro_step(model, mb, settings, agg, pad_id, device)
+                # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
+                metrics = _micro_step(model, mb, settings, agg, pad_id, device,
+                                      loss_scale=float(dp.world) if settings.lockstep else 1.0)
                 sums.update(metrics)
-            dp.average_gradients(params)
+            if settings.lockstep:
+                for _ in range(n_passes - len(plan.batches)):
+                    idle_step(model, pad_id)
+            else:
+                dp.average_gradients(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            sums["actor/grad_norm"] += float(grad_norm)
+            sums["actor/grad_norm"] += to_float(grad_norm)
     model.eval()
     # Loss-valued metrics are shares of the mini-batch value (global normalisers): sum them
     # over micro-batches and ranks, then average over optimizer steps.
@@ -347,7 +377,7 @@ def update_policy(
 
 
 def _micro_step(model, mb: PolicyRows, s: UpdateSettings, agg: LossAgg, pad_id: int,
-                device) -> dict[str, float]:
+                device, loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = s.entropy_balanced_advantage or s.entropy_coeff != 0 or (
         s.policy_loss == "entropy_balanced" and s.loss_params.entropy_clip_scope == "high_entropy"
     )
@@ -379,7 +409,7 @@ def _micro_step(model, mb: PolicyRows, s: UpdateSettings, agg: LossAgg, pad_id: 
         metrics["actor/entropy"] = float(ent.detach())
         if s.entropy_coeff != 0:
             loss = loss - s.entropy_coeff * ent
-    loss.backward()
+    (loss * loss_scale).backward()
     return metrics
 
 
@@ -502,9 +532,16 @@ class RLTrainer:
         self.update = UpdateSettings.from_config(cfg)
         self.ref_model = None
         if self.update.kl_coef != 0:
-            import copy
-
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # Under FSDP the engine samples from a whole replica, synced after each update.
+        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
+        self.rollout_model = self.model
+        self._rollout_stale = False
+        if self.fsdp:
+            self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            shard_model(self.model, self.dp.world)
+            self.update.share_prefix = False
+            self.update.lockstep = True
         self.tools = build_tools(cfg.tools)
         train = rl_data_from_config(cfg, "train", self.tokenizer)
         self.train_data = train.examples
@@ -519,7 +556,7 @@ class RLTrainer:
             raise AppoError(f"data.train_files produced no training prompts{why}")
         self.reward = router_from_config(cfg)
         self.reward.check((e.data_source, e.ability) for e in self.train_data + self.val_data)
-        self.engine = build_engine(cfg, self.lm)
+        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model))
         self.settings = RolloutSettings.from_config(cfg)
         self.adv_params = AdvantageParams(
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
@@ -570,21 +607,40 @@ class RLTrainer:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        trainer_state = load_trainer_state(path)
+        saved_fsdp = trainer_state["extra"].get("parallel") == "fsdp"
+        if saved_fsdp != self.fsdp:
+            raise AppoError(f"checkpoint {path} was written by a {'fsdp' if saved_fsdp else 'ddp'}"
+                            f" run; resume it with trainer.parallel="
+                            f"{'fsdp' if saved_fsdp else 'ddp'} (optimizer states differ)")
+        if self.fsdp:
+            self._check_keys(path, *self.rollout_model.load_state_dict(state, strict=False))
+            load_full_states(self.model, self.optimizer, self.rollout_model.state_dict(),
+                             trainer_state["optimizer"])
+        else:
+            self._check_keys(path, *self.model.load_state_dict(state, strict=False))
+            self.optimizer.load_state_dict(trainer_state["optimizer"])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.step = int(trainer_state["step"])
+        if self.dp.is_main:
+            print(f"appo: resumed from {path} at step {self.step}")
+
+    @staticmethod
+    def _check_keys(path, missing, unexpected) -> None:
         # Tied weights are saved once; anything else missing means a wrong checkpoint.
         tied = {k for k in missing if "lm_head" in k}
         if set(missing) - tied or unexpected:
             raise AppoError(f"checkpoint {path} does not match the model "
                             f"(missing {sorted(set(missing) - tied)[:3]}, "
                             f"unexpected {sorted(unexpected)[:3]})")
-        trainer_state = load_trainer_state(path)
-        self.optimizer.load_state_dict(trainer_state["optimizer"])
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
-        self.step = int(trainer_state["step"])
-        if self.ref_model is not None and "ref_model" in trainer_state["extra"]:
-            pass  # the reference policy is the initial model: reloaded from model.path
-        if self.dp.is_main:
-            print(f"appo: resumed from {path} at step {self.step}")
+
+    def sync_rollout_weights(self) -> None:
+        """FSDP: copy the updated shards into the engine's whole replica (a collective)."""
+        if self.fsdp and self._rollout_stale:
+            missing, unexpected = self.rollout_model.load_state_dict(
+                full_model_state(self.model), strict=False)
+            self._check_keys("(fsdp shards)", missing, unexpected)
+            self._rollout_stale = False
 
     # ------------------------------------------------------------------ data order
     def batch_for_step(self, step: int) -> list:
@@ -619,12 +675,13 @@ class RLTrainer:
 
         settings = settings or self.settings
         strategy = strategy or self.cfg.rollout.strategy
+        self.sync_rollout_weights()
         prompts = self.prompts_for(examples, tag)
         mine = prompts[self.dp.rank :: self.dp.world]
         if hasattr(self.engine, "generator"):  # hf engine: sampling stream per step and rank
             self.engine.generator.manual_seed(step_seed * 1_000_003 + self.dp.rank)
         rng = random.Random(step_seed * 7919 + self.dp.rank)
-        score_fn = hf_score_fn(self.model) if strategy == "appo" else None
+        score_fn = hf_score_fn(self.rollout_model) if strategy == "appo" else None
         batch = rollout(mine, self.engine, self.tools, settings, strategy=strategy, rng=rng,
                         score_fn=score_fn)
         return prompts, batch
@@ -674,6 +731,7 @@ class RLTrainer:
         with timer.measure("update"):
             upd = update_policy(self.model, self.optimizer, rows, self.update, self.pad_id,
                                 self.dp, self.scheduler)
+        self._rollout_stale = self.fsdp
         all_outputs = self.dp.gather_objects(outputs)
         metrics = rollout_metrics(everyone, all_outputs, batch.stats)
         metrics.update(upd)
@@ -730,11 +788,16 @@ class RLTrainer:
     def save(self) -> Path | None:
         from appo.trainer.checkpoint import save_checkpoint
 
+        extra = {"config": _plain_config(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
+        optimizer_state = None
+        if self.fsdp:  # gather whole states (collectives: every rank takes part)
+            self.sync_rollout_weights()
+            optimizer_state = full_optimizer_state(self.model, self.optimizer)
         if not self.dp.is_main:
             return None
-        return save_checkpoint(self.out_dir, self.step, self.model, self.tokenizer,
-                               self.optimizer, self.scheduler,
-                               extra={"config": _plain_config(self.cfg)})
+        return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
+                               self.optimizer, self.scheduler, extra=extra,
+                               optimizer_state=optimizer_state)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, close: bool = True) -> list[dict[str, float]]:

@@ -1,0 +1,114 @@
+"""FSDP for the RL trainer: torch's `fully_shard` (FSDP2), chosen by `trainer.parallel`.
+
+`trainer.parallel=auto` (the default) shards when the process group was started by
+`accelerate launch` with an FSDP config (accelerate sets `ACCELERATE_USE_FSDP=true`);
+`fsdp` / `ddp` force the choice. Each decoder layer is one FSDP unit and the root module
+(embeddings, final norm, tied head) another, sharded over all ranks; nccl on GPUs, gloo on
+CPU (the tests run it on CPU).
+
+How the trainer differs under FSDP (and why):
+- The rollout engine needs whole weights; it runs on a full replica of the policy, refreshed
+  from the shards (one all-gather) before every rollout that follows an update. On GPUs
+  with vLLM this is the weight sync every such system does.
+- Each rank's loss already carries the global normalisers (as in the DDP path), so the
+  gradient wanted is the sum over ranks; FSDP averages, so the loss is scaled by the world
+  size (`set_gradient_divide_factor(1)` would say the same but needs PREMUL_SUM, which gloo
+  lacks).
+- Every rank must run the same number of forward/backward passes (each one gathers
+  shards), so ranks with fewer micro-batches run empty ones, and the shared-prefix forward
+  (one or two model calls depending on the rows) is off.
+- Checkpoints gather full model and optimizer states to rank 0, so an FSDP checkpoint is
+  the same Hugging Face directory as any other, and resuming loads it on any layout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from appo.errors import AppoError
+
+PARALLEL_MODES = ("auto", "ddp", "fsdp")
+
+
+def fsdp_requested(parallel: str, distributed: bool) -> bool:
+    if parallel not in PARALLEL_MODES:
+        raise AppoError(f"trainer.parallel must be one of {', '.join(PARALLEL_MODES)}, "
+                        f"got {parallel!r}")
+    if parallel == "fsdp":
+        if not distributed:
+            raise AppoError("trainer.parallel=fsdp needs several processes: start the run with "
+                            "`accelerate launch` (or torchrun)")
+        return True
+    env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    return parallel == "auto" and distributed and env
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise AppoError(f"FSDP: cannot find the decoder layers of {type(model).__name__} "
+                        "(expected model.model.layers)")
+    return list(layers)
+
+
+def shard_model(model, world: int) -> None:
+    """Shard `model` in place over `world` ranks: one unit per decoder layer, plus the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) weights on every rank (a collective: all ranks must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model, optimizer) -> dict[str, Any]:
+    """The optimizer state of the whole model, on CPU, on rank 0 (a collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    return get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
+    """Load whole-model states (as saved by any layout) into the sharded model/optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    if optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=opts)
+
+
+def to_float(value) -> float:
+    """A scalar that may be a DTensor (e.g. the grad norm of sharded gradients)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+def idle_step(model, pad_id: int) -> None:
+    """A forward/backward that contributes nothing, to keep ranks' collectives in step."""
+    device = next(model.parameters()).device
+    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    out = model(input_ids=ids, logits_to_keep=1)
+    (out.logits.sum() * 0.0).backward()
