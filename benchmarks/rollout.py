@@ -347,6 +347,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--b-max-response", type=int, default=192)
+    parser.add_argument("--only-a", action="store_true",
+                        help="only (a), decode throughput; prints, does not write results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from appo.models import load_model
@@ -354,6 +356,12 @@ def main() -> None:
     lm = load_model("smollm2-135m", device="cpu")
     res: dict = {"kv_err": kv_check(lm)}
     print(f"KV check: max abs logp diff {res['kv_err']:.2e}", flush=True)
+    if args.only_a:
+        res["a"] = [bench_decode(lm, 128, args.repeats), bench_decode(lm, 384, args.repeats)]
+        for a in res["a"]:
+            print({k: a[k] for k in ("new_tokens", "engine_tok_s", "generate_tok_s",
+                                     "ratio_best", "ratio_median", "total_ratio_median")})
+        return
     if args.quick:
         res["a"] = [bench_decode(lm, 8, 1), bench_decode(lm, 16, 1)]
         res["b"] = bench_arpo(lm, 4, 2, 48, 1)

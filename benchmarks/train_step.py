@@ -64,7 +64,6 @@ def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: 
         "actor.optim.lr_scheduler=constant",
         f"actor.ppo_mini_batch_size={prompts}",
         "actor.ppo_epochs=1",
-        "actor.ppo_max_token_len_per_device=8192",
         "trainer.total_steps=100",
         "trainer.logger=[]",
         f"trainer.default_local_dir={out}",

@@ -157,6 +157,9 @@ class ActorConfig:
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
     share_prefix_forward: bool = True
+    # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
+    # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
+    freeze_embeddings: bool = False
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=OptimConfig)
 

@@ -86,6 +86,20 @@ def test_two_steps_every_strategy_and_loss(toy, strategy, loss):
     assert (Path(cfg.trainer.default_local_dir) / "global_step_2" / "config.json").is_file()
 
 
+def test_freeze_embeddings_keeps_the_tied_embeddings(toy):
+    cfg = toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=1",
+                     "actor.freeze_embeddings=true")
+    trainer = RLTrainer(cfg, progress=False)
+    emb = trainer.model.get_input_embeddings().weight.detach().clone()
+    others = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+              if "embed" not in n}
+    trainer.fit()
+    assert torch.equal(trainer.model.get_input_embeddings().weight, emb)
+    assert trainer.model.get_output_embeddings().weight is trainer.model.get_input_embeddings().weight
+    params = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(params[n], p) for n, p in others.items())
+
+
 def test_reward_rises_on_learnable_behaviour(toy):
     cfg = toy_config(toy, "rollout.strategy=grpo", "rollout.n=8", "trainer.total_steps=10",
                      "actor.optim.lr=1e-2", "data.max_response_length=12")

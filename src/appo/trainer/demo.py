@@ -45,7 +45,7 @@ DEMO_OVERRIDES = [
     "sft.train_files=[synth:arith?split=sft&levels=1&n=160]",
     "sft.batch_size=8",
     "sft.lr=1e-4",
-    "sft.max_steps=30",
+    "sft.max_steps=20",
     "sft.warmup_ratio=0.1",
     "sft.output_dir=runs/demo/sft",
     # ARPO: 8 trajectories per prompt, 4 sampled from the root, the rest by entropy branching.
@@ -54,7 +54,10 @@ DEMO_OVERRIDES = [
     "rollout.initial_rollouts=4",
     "rollout.temperature=1.0",
     "tools.call_limit=2",
-    "actor.optim.lr=2e-5",
+    # RL moves a small model fast: at 5e-5 one step stopped SmolLM2 ending its turns (Adam's
+    # first steps move every weight by ~lr); 1e-5 with the tied embeddings frozen does not.
+    "actor.optim.lr=1e-5",
+    "actor.freeze_embeddings=true",
     "actor.optim.lr_scheduler=constant",
     "actor.ppo_mini_batch_size=4",
     # ~1.3 MB of saved activations per token in float32: 2048 tokens keep the update < 4 GB.
@@ -62,7 +65,7 @@ DEMO_OVERRIDES = [
     "eval.k=1",
     "eval.temperature=0.0",
     "eval.max_response_length=160",
-    "trainer.total_steps=8",
+    "trainer.total_steps=6",
     "trainer.test_freq=0",
     "trainer.save_freq=0",
     "trainer.default_local_dir=runs/demo/rl",

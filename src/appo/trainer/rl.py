@@ -531,6 +531,9 @@ class RLTrainer:
             self.model.gradient_checkpointing_enable()
         self.update = UpdateSettings.from_config(cfg)
         self.ref_model = None
+        if cfg.actor.freeze_embeddings:
+            self.model.get_input_embeddings().requires_grad_(False)
+            self.model.get_output_embeddings().requires_grad_(False)
         if self.update.kl_coef != 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         # Under FSDP the engine samples from a whole replica, synced after each update.
