@@ -41,3 +41,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Benchmarks (not part of CI): installs the benchmark-only extra (TRL) on first use.
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/train_step.py

@@ -42,14 +42,32 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def no_tool_prompts(out: str) -> str:
+    """The same arith questions as a JSONL file whose prompts describe no tools (the synth
+    loader insists on the python tool its gold demos use)."""
+    from appo.data import load_rl_data
+    from appo.data.templates import build_messages
+
+    examples = load_rl_data("synth:arith?split=train&levels=1,2,3&n=64", template="math",
+                            tools=["python"]).examples
+    path = Path(out) / "arith_no_tools.jsonl"
+    with path.open("w") as f:
+        for ex in examples:
+            f.write(json.dumps({"prompt": build_messages(ex.question, "math", []),
+                                "answer": ex.ground_truth, "data_source": ex.data_source,
+                                "ability": "math"}) + "\n")
+    return str(path)
+
+
 def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: str,
                 prompts: int = 2, n: int = 8):
     from appo.config import load_config
 
+    train = ("synth:arith?split=train&levels=1,2,3&n=64" if tools else no_tool_prompts(out))
     over = [
         f"model.path={model}",
         "data.template=math",
-        "data.train_files=['synth:arith?split=train&levels=1,2,3&n=64']",
+        f"data.train_files=['{train}']",
         "data.val_files=[]",
         "data.shuffle=false",
         f"data.train_batch_size={prompts}",
@@ -175,6 +193,7 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--strategy", default="grpo")
     p.add_argument("--tools", action="store_true")
+    p.add_argument("--part1-json", help="reuse part (1) from an earlier run (its printed JSON)")
     args = p.parse_args()
     if args.worker:
         result = worker_appo(args) if args.worker == "appo" else worker_trl(args)
@@ -183,7 +202,11 @@ def main() -> None:
     model = "tiny-test" if args.quick else args.model
     steps = "1" if args.quick else str(args.steps)
     common = ["--model", model, "--steps", steps]
-    part1 = run_child("appo", common + ["--response-len", "256", "--strategy", "arpo", "--tools"])
+    if args.part1_json:
+        part1 = json.loads(Path(args.part1_json).read_text())
+    else:
+        part1 = run_child("appo", common + ["--response-len", "256", "--strategy", "arpo",
+                                            "--tools"])
     print("part 1 (appo, arpo + python, 16 x 256):", json.dumps(part1), flush=True)
     appo2 = run_child("appo", common + ["--response-len", "64", "--strategy", "grpo"])
     print("part 2 appo:", json.dumps(appo2), flush=True)
