@@ -7,8 +7,8 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from appo.models import load_model
+from appo.prefix import common_prefix_length
 from appo.trainer.forward import (
-    common_prefix_length,
     computed_tokens,
     final_hidden_states,
     plan_shared_microbatches,

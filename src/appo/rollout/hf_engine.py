@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from appo.errors import AppoError
+from appo.prefix import common_prefix_length
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder
 from appo.rollout.records import EngineCounters
@@ -430,12 +431,7 @@ class HFEngine:
         if len(fresh) < 2:
             return
         first = fresh[0][0].ids
-        shared = min(e for _, e in fresh) - 1
-        for row, _ in fresh[1:]:
-            k = 0
-            while k < shared and row.ids[k] == first[k]:
-                k += 1
-            shared = k
+        shared = common_prefix_length([r.ids for r, _ in fresh], min(e for _, e in fresh) - 1)
         if shared < MIN_SHARED_PREFIX:
             return
         root = _Row(list(first[:shared]), None, shared)

@@ -115,11 +115,9 @@ def evaluate_levels(trainer, stage: str, out_dir: Path) -> StageResult:
     from appo.rollout.sampling import SamplingParams
 
     e = trainer.cfg.eval
-    settings = replace(
-        trainer.settings, n=1, initial_rollouts=1, max_response_length=e.max_response_length,
-        sampling=SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-                                repetition_penalty=e.repetition_penalty),
-    )
+    settings = replace(trainer.settings, n=1, initial_rollouts=1,
+                       max_response_length=e.max_response_length,
+                       sampling=SamplingParams.from_config(e))
     start = time.perf_counter()
     examples = trainer.val_data
     _, batch = trainer.run_rollout(examples, f"eval-{stage}", 10_000_019, settings=settings,
@@ -162,7 +160,7 @@ def _sft_stage(trainer, cfg) -> Any:
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.sft import SFTParams, train_sft
 
-    tools = {tool.tag: tool for tool in trainer.tools.tools.values()}
+    tools = {tag: trainer.tools.resolve(tag) for tag in trainer.tools.tags}
     data = sft_data_from_config(cfg, trainer.tokenizer, "train", tool_instances=tools)
     if not data.examples:
         raise AppoError("sft.train_files produced no demonstrations")

@@ -18,24 +18,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from appo.prefix import common_prefix_length
 from appo.trainer.batching import MicroBatchPlan, pad_right
 
 MIN_SHARED_PREFIX = 16  # below this the second forward costs more than it saves
 
 
-def common_prefix_length(rows: list[list[int]]) -> int:
-    if not rows:
+def shared_prefix_length(rows: list[list[int]], share_prefix: bool = True) -> int:
+    """Tokens `final_hidden_states` computes once for all `rows` (0: the plain forward).
+
+    Every row keeps at least one token of its own, so the suffix batch is never empty.
+    """
+    if not share_prefix or len(rows) < 2:
         return 0
-    first = rows[0]
-    n = min(len(r) for r in rows)
-    for row in rows[1:]:
-        k = 0
-        while k < n and row[k] == first[k]:
-            k += 1
-        n = k
-        if n == 0:
-            break
-    return n
+    shared = common_prefix_length(rows, min(len(r) for r in rows) - 1)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 class _PrefixCache:
@@ -81,13 +78,11 @@ def final_hidden_states(model, rows: list[list[int]], pad_id: int,
     (`T` = longest row; padding positions hold unspecified values). The LM head is not
     applied: callers compute log-probs from these in chunks."""
     device = next(model.parameters()).device
-    shared = common_prefix_length(rows)
-    # Every row keeps at least one token of its own, so the suffix batch is never empty.
-    shared = min(shared, min((len(r) for r in rows), default=1) - 1)
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if not share_prefix or len(rows) < 2 or shared < MIN_SHARED_PREFIX or checkpointing:
+    shared = 0 if checkpointing else shared_prefix_length(rows, share_prefix)
+    if shared == 0:
         ids = pad_right(rows, pad_id, torch.long).to(device)
         attn = pad_right([[1] * len(r) for r in rows], 0, torch.long).to(device)
         out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
@@ -115,9 +110,10 @@ def final_hidden_states(model, rows: list[list[int]], pad_id: int,
 
 
 def _cost(n_rows: int, longest: int, shortest: int, lcp: int, share_prefix: bool) -> int:
+    """`computed_tokens` of rows with these statistics (`lcp` = their common prefix)."""
     shared = min(lcp, shortest - 1)
     if not share_prefix or n_rows < 2 or shared < MIN_SHARED_PREFIX:
-        return n_rows * longest
+        shared = 0
     return shared + n_rows * (longest - shared)
 
 
@@ -125,15 +121,8 @@ def computed_tokens(rows: list[list[int]], share_prefix: bool = True) -> int:
     """Tokens `final_hidden_states` runs through the model for `rows` (padding included)."""
     if not rows:
         return 0
-    lengths = [len(r) for r in rows]
-    return _cost(len(rows), max(lengths), min(lengths), common_prefix_length(rows), share_prefix)
-
-
-def _lcp2(a: list[int], b: list[int], limit: int) -> int:
-    k = 0
-    while k < limit and a[k] == b[k]:
-        k += 1
-    return k
+    shared = shared_prefix_length(rows, share_prefix)
+    return shared + len(rows) * (max(len(r) for r in rows) - shared)
 
 
 def plan_shared_microbatches(rows: list[list[int]], max_tokens: int,
@@ -159,8 +148,7 @@ def plan_shared_microbatches(rows: list[list[int]], max_tokens: int,
     for i in order:
         row = rows[i]
         if current:
-            head = rows[current[0]]
-            new_lcp = _lcp2(head, row, min(lcp, len(row)))
+            new_lcp = common_prefix_length([rows[current[0]], row], lcp)
             cost = _cost(len(current) + 1, max(longest, len(row)), min(shortest, len(row)),
                          new_lcp, share_prefix)
             if cost <= max_tokens:
@@ -174,13 +162,8 @@ def plan_shared_microbatches(rows: list[list[int]], max_tokens: int,
     padded = real = 0
     for b in batches:
         sub = [rows[i] for i in b]
-        cost = computed_tokens(sub, share_prefix)
-        total = sum(len(r) for r in sub)
-        if cost == len(sub) * max(len(r) for r in sub):  # plain forward: rows in full
-            real += total
-        else:
-            shared = min(common_prefix_length(sub), min(len(r) for r in sub) - 1)
-            real += total - (len(sub) - 1) * shared
-        padded += cost
+        shared = shared_prefix_length(sub, share_prefix)
+        real += sum(len(r) for r in sub) - (len(sub) - 1) * shared
+        padded += shared + len(sub) * (max(len(r) for r in sub) - shared)
     return MicroBatchPlan(batches=batches, real_tokens=real, padded_tokens=padded,
                           rows_tokens=sum(len(r) for r in rows))

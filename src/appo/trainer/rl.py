@@ -769,11 +769,8 @@ class RLTrainer:
         if not self.val_data:
             return {}
         e = self.cfg.eval
-        settings = replace(
-            self.settings, n=e.k, initial_rollouts=e.k,
-            sampling=SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-                                    repetition_penalty=e.repetition_penalty),
-        )
+        settings = replace(self.settings, n=e.k, initial_rollouts=e.k,
+                           sampling=SamplingParams.from_config(e))
         _, batch = self.run_rollout(self.val_data, f"v{self.step}", 10_000_019 + self.step,
                                     settings=settings, strategy="grpo")
         outputs = self.score(batch.trajectories, self.val_data)
