@@ -4,6 +4,8 @@
     8 prompts with the `code_search` system prompt (~270 tokens), temperature 1, a fixed
     number of new tokens (EOS does not stop either side: `min_new_tokens` for generate,
     `eos_ids=()` for the engine), so both do exactly the same work.
+    (a2) the same batch with EOS and the tool stop strings on, as in a rollout; `generate`
+    follows the engine's sampled tokens, so both produce identical outputs.
 (b) arpo with n=16 (8 initial) on 2 prompts: prefill tokens computed with cache reuse and
     forks vs recomputing every row's whole context at every round (the engine with
     `reuse_cache=False`, which is what independent rollouts through a stateless generate
@@ -129,6 +131,83 @@ def bench_decode(lm, new_tokens: int, repeats: int) -> dict:
         "ratio_median": statistics.median(b / a for a, b in pairs),
         "ratio_best": min(b for _, b in pairs) / min(a for a, _ in pairs),
         "ratios": [b / a for a, b in pairs],
+    }
+
+
+def bench_decode_stops(lm, new_tokens: int, seeds: int) -> dict:
+    """(a2) The same batch and settings as a rollout runs them: EOS and the tool stop
+    strings end a row, at most `new_tokens` per row.
+
+    Both sides produce the very same tokens: the engine samples, then `generate` is made to
+    follow the engine's tokens (a logits processor leaves one token possible per row), so
+    the work differs only in how each side runs it: `generate` keeps stepping the whole
+    batch (finished rows padded) until every row has stopped; the engine drops stopped
+    rows. Throughput = tokens up to each row's stop / decode time.
+    """
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.stops import tool_stop_strings
+
+    tok = lm.tokenizer
+    tags = ["python", "search"]
+    stops = tool_stop_strings(tags)
+    prompts = [chat_ids(tok, q, "code_search", tags) for q in QUESTIONS]
+    eos = sorted(HFEngine(lm.model, tok).eos_ids)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    class Follow(LogitsProcessor):
+        """Only the engine's token is possible (EOS once a row's tokens are used up)."""
+
+        def __init__(self, rows: list[list[int]]):
+            self.rows = rows
+
+        def __call__(self, ids, scores):
+            step = ids.shape[1] - width
+            forced = [r[step] if step < len(r) else eos[0] for r in self.rows]
+            keep = scores.gather(1, torch.tensor(forced)[:, None])
+            return scores.fill_(float("-inf")).scatter_(1, torch.tensor(forced)[:, None], keep)
+
+    def ours(n: int, seed: int) -> tuple[float, list[list[int]]]:
+        eng = HFEngine(lm.model, tok, seed=seed, stop_strings=stops)
+        rows = [eng.fork(eng.add_row(p), 1)[0] for p in prompts]
+        t0 = clock()
+        outs = eng.decode(rows, [n] * len(rows), SamplingParams())
+        return clock() - t0, [o.token_ids for o in outs]
+
+    def generate(n: int, rows: list[list[int]]) -> tuple[float, list[list[int]]]:
+        t0 = clock()
+        with torch.inference_mode():
+            out = lm.model.generate(
+                input_ids=input_ids, attention_mask=attention, max_new_tokens=n,
+                do_sample=True, temperature=1.0, top_p=1.0, top_k=None,
+                pad_token_id=tok.pad_token_id, eos_token_id=eos, stop_strings=stops,
+                tokenizer=tok, logits_processor=LogitsProcessorList([Follow(rows)]))
+        return clock() - t0, [r[width:].tolist() for r in out]
+
+    runs = []
+    for seed in range(seeds):
+        (a_full, sampled), (a_one, first) = ours(new_tokens, seed), ours(1, seed)
+        (b_full, followed), (b_one, _) = generate(new_tokens, sampled), generate(1, first)
+        for mine, theirs in zip(sampled, followed, strict=True):
+            if theirs[: len(mine)] != mine:
+                raise RuntimeError("generate did not reproduce the engine's tokens")
+        tokens = sum(len(r) for r in sampled)
+        a, b = a_full - a_one, b_full - b_one
+        runs.append((a, b, tokens, max(len(r) for r in sampled)))
+        print(f"  (a2) seed {seed}: {tokens} tokens (longest row {runs[-1][3]}): engine "
+              f"{a:.1f}s generate {b:.1f}s ratio {b / a:.2f}", flush=True)
+    tokens = sum(r[2] for r in runs)
+    return {
+        "new_tokens": new_tokens, "rows": len(prompts), "seeds": seeds,
+        "tokens": [r[2] for r in runs], "longest": [r[3] for r in runs],
+        "engine_tok_s": tokens / sum(r[0] for r in runs),
+        "generate_tok_s": tokens / sum(r[1] for r in runs),
+        "ratio_median": statistics.median(r[1] / r[0] for r in runs),
+        "ratios": [r[1] / r[0] for r in runs],
     }
 
 
@@ -290,7 +369,27 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
         lines.append(f"| {a['new_tokens']} | {a['engine_tok_s']:.1f} | {a['generate_tok_s']:.1f} "
                      f"| {a['ratio_best']:.2f}x | {a['ratio_median']:.2f}x "
                      f"| {a['total_ratio_median']:.2f}x |")
+    a2 = res["a2"]
     lines += [
+        "",
+        "### (a2) the same, as a rollout runs it: EOS and tool stop strings on",
+        "",
+        f"8 rows, `code_search` prompt with python and search tools, temperature 1, at most "
+        f"{a2['new_tokens']} new tokens; a row ends at EOS or `</python>` / `</search>`. "
+        "`generate` is made to follow the engine's sampled tokens (a logits processor), so "
+        "both produce the very same tokens; `generate` steps the whole batch until the last "
+        "row stops, the engine drops stopped rows. Decode time as above.",
+        "",
+        "| seed | tokens | longest row | speed-up |",
+        "| --- | --- | --- | --- |",
+    ]
+    for i, (n, longest, r) in enumerate(zip(a2["tokens"], a2["longest"], a2["ratios"],
+                                            strict=True)):
+        lines.append(f"| {i} | {n} | {longest} | {r:.2f}x |")
+    lines += [
+        "",
+        f"Over all seeds: engine {a2['engine_tok_s']:.1f} tok/s, generate "
+        f"{a2['generate_tok_s']:.1f} tok/s; median speed-up {a2['ratio_median']:.2f}x.",
         "",
         "## (b) arpo n=16 (8 initial) vs recomputing every prefix / 16 independent rollouts",
         "",
@@ -361,14 +460,17 @@ def main() -> None:
         for a in res["a"]:
             print({k: a[k] for k in ("new_tokens", "engine_tok_s", "generate_tok_s",
                                      "ratio_best", "ratio_median", "total_ratio_median")})
+        print(bench_decode_stops(lm, 256, args.repeats))
         return
     if args.quick:
         res["a"] = [bench_decode(lm, 8, 1), bench_decode(lm, 16, 1)]
+        res["a2"] = bench_decode_stops(lm, 16, 1)
         res["b"] = bench_arpo(lm, 4, 2, 48, 1)
         res["c"] = bench_multiround(lm, 2, 2, 8, 16, 1)
         print(res)
         return
     res["a"] = [bench_decode(lm, 128, args.repeats), bench_decode(lm, 384, args.repeats)]
+    res["a2"] = bench_decode_stops(lm, 256, args.repeats + 1)
     res["b"] = bench_arpo(lm, 16, 8, args.b_max_response, max(1, args.repeats - 1))
     res["c"] = bench_multiround(lm, 4, 6, 32, 48, args.repeats)
     write_results(res, args)
