@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from rollout_fakes import FakeTools, ScriptedEngine, Step, tiny_tokenizer
 
@@ -169,6 +171,20 @@ def test_jsonl_round_trip_is_lossless(tok, tmp_path):
     back = read_jsonl(path)
     assert back == batch.trajectories
     assert any(t.parent_id for t in back)
+
+
+def test_jsonl_text_fields_decode_the_ids_and_are_dropped_on_read(tok, tmp_path):
+    eng = ScriptedEngine(tok, calls_then_answer(1))
+    batch = rollout([prompt(tok, "a")], eng, FakeTools(), settings(n=2, initial_rollouts=2),
+                    strategy="grpo")
+    path = tmp_path / "t.jsonl"
+    write_jsonl(batch.trajectories, path, tokenizer=tok)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line, traj in zip(lines, batch.trajectories, strict=True):
+        assert line["prompt_text"] == tok.decode(traj.prompt_ids)
+        assert line["response_text"] == tok.decode(traj.response_ids)
+        assert "<result>" in line["response_text"]  # the tool round is in the text
+    assert read_jsonl(path) == batch.trajectories
 
 
 def test_bad_jsonl_is_a_clear_error(tmp_path):

@@ -78,7 +78,7 @@ def _rollout(args: argparse.Namespace) -> int:
             close()
     print(render_tree(batch, lm.tokenizer, width=args.width))
     if args.out:
-        count = write_jsonl(batch.trajectories, args.out)
+        count = write_jsonl(batch.trajectories, args.out, tokenizer=lm.tokenizer)
         print(f"wrote {count} trajectories to {args.out}")
     return 0
 

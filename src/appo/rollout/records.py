@@ -118,6 +118,7 @@ class Trajectory:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k not in TEXT_FIELDS}
         unknown = set(data) - known
         if unknown:
             raise AppoError(f"unknown trajectory fields {sorted(unknown)}")
@@ -218,6 +219,9 @@ class RolloutBatch:
         return groups
 
 
+TEXT_FIELDS = ("prompt_text", "response_text")  # derived from the ids, for reading only
+
+
 def _finite(value: Any) -> Any:
     # JSON has no NaN/inf; a non-finite log-prob would be a bug upstream, so say so.
     if isinstance(value, float) and not math.isfinite(value):
@@ -225,8 +229,13 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
-    """Write one trajectory per line; returns the number written."""
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=None) -> int:
+    """Write one trajectory per line; returns the number written.
+
+    With a tokenizer, each line also carries `prompt_text` and `response_text` (decoded
+    ids, special tokens kept) so a dump can be read with `jq`/`grep`; the ids stay the
+    record, and `read_jsonl` drops the text again.
+    """
     path = Path(path)
     count = 0
     with path.open("w", encoding="utf-8") as f:
@@ -234,6 +243,9 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
             data = traj.to_dict()
             for key in ("logp_rollout", "entropy"):
                 data[key] = [_finite(float(v)) for v in data[key]]
+            if tokenizer is not None:
+                data["prompt_text"] = tokenizer.decode(traj.prompt_ids)
+                data["response_text"] = tokenizer.decode(traj.response_ids)
             f.write(json.dumps(data, ensure_ascii=False, allow_nan=False) + "\n")
             count += 1
     return count

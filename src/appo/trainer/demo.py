@@ -127,7 +127,7 @@ def evaluate_levels(trainer, stage: str, out_dir: Path) -> StageResult:
     for traj, out in zip(batch.trajectories, outputs, strict=True):
         level = int(examples[traj.extra["index"]].extra_info.get("level", 0))
         by_level.setdefault(level, []).append((float(out.accuracy), traj.num_tool_calls))
-    write_jsonl(batch.trajectories, out_dir / f"eval_{stage}.jsonl")
+    write_jsonl(batch.trajectories, out_dir / f"eval_{stage}.jsonl", tokenizer=trainer.tokenizer)
     result = StageResult(stage=stage, seconds=time.perf_counter() - start)
     for level in sorted(by_level):
         rows = by_level[level]

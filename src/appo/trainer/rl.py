@@ -758,7 +758,7 @@ class RLTrainer:
 
         out = Path(self.cfg.trainer.rollout_data_dir)
         out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(trajs, out / f"step_{step:05d}.jsonl")
+        write_jsonl(trajs, out / f"step_{step:05d}.jsonl", tokenizer=self.tokenizer)
 
     def validate(self) -> dict[str, float]:
         """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""
