@@ -41,7 +41,17 @@ from time import process_time as clock
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
-MACHINE = "2-core x86_64 CPU, 24 GiB, torch 2.13.0 CPU"
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+MACHINE = f"{cpu_name()}, 2 cores, 24 GiB, torch {torch.__version__}"
 QUESTIONS = [
     "What is 17*23?", "Name three colors.", "Explain gravity briefly.",
     "Write a haiku about rain.", "What is the capital of France?", "Count from 1 to 10.",
