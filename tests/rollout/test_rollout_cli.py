@@ -20,6 +20,7 @@ def test_rollout_cli_prints_the_tree_and_writes_jsonl(tmp_path):
     assert "finish=" in proc.stdout and "stats: 4 trajectories" in proc.stdout
     lines = out.read_text().splitlines()
     assert len(lines) == 4 and all(json.loads(line)["uid"] == "q0" for line in lines)
+    assert all("What is 2+2?" in json.loads(line)["prompt_text"] for line in lines)
     trajs = read_jsonl(out)
     assert all(t.extra["question"] == "What is 2+2?" for t in trajs)
     assert all(len(t.response_ids) <= 24 for t in trajs)
