@@ -103,9 +103,10 @@ class _TransposedLinears:
     """Inside `with`, the model's `nn.Linear` layers compute `x @ W^T` from a contiguous copy
     of `W^T` (`[in, out]`), and are plain `nn.Linear` again outside.
 
-    On CPU, float32 GEMM with a small batch of rows is ~1.2-2x faster in this layout than
-    with the `[out, in]` weight `F.linear` passes to MKL (measured on SmolLM2-135M: decode
-    step 168 -> 138 ms at 8 rows). The copies are refreshed whenever a weight changes
+    On an Intel CPU, float32 GEMM with a small batch of rows was ~1.2-2x faster in this
+    layout than with the `[out, in]` weight `F.linear` passes to MKL (SmolLM2-135M decode
+    step 168 -> 138 ms at 8 rows); on an AMD Zen 3 it is faster at 1-2 rows and ~10% slower
+    at 4-8. It serves models outside the lean decoder's family only. The copies are refreshed whenever a weight changes
     (tensor version counter or storage), so optimizer steps between rollouts are picked up
     without a sync call. Only the engine's forwards see them: the trainer's forward and
     backward run the untouched modules. Costs one extra copy of the linear weights.

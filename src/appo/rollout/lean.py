@@ -8,7 +8,7 @@ decode step (weight-bandwidth bound at a few rows) rewards:
   the output and down projections use the model's own weights, no copy.
 - the LM head in row blocks of `HEAD_BLOCK` vocabulary entries, written into one logits
   buffer: MKL handles a 49k x 576 weight at 8 rows ~1.4x slower in one call than in
-  1024-row blocks (measured here: 28 vs 20 ms per step; see `benchmarks/RESULTS.md`).
+  1024-row blocks (measured here: 28 vs 22 ms per step; see `benchmarks/RESULTS.md`).
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
   dispatch.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
