@@ -279,3 +279,16 @@ def test_engine_leaves_the_trainer_model_untouched_and_follows_weight_updates(lm
     finally:
         with torch.no_grad():
             target.weight.copy_(saved)
+
+
+def test_lean_head_in_blocks_equals_one_product():
+    # A vocabulary that is not a multiple of the block size: the last block is partial.
+    from appo.rollout.lean import HEAD_BLOCK, LeanDecoder
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2 * HEAD_BLOCK + 77, 48, generator=gen, dtype=torch.float64)
+    for rows in (1, 3):
+        x = torch.randn(rows, 48, generator=gen, dtype=torch.float64)
+        got = LeanDecoder._head(x, weight)
+        assert got.shape == (rows, weight.shape[0])
+        torch.testing.assert_close(got, x @ weight.T, rtol=0, atol=1e-12)
