@@ -292,3 +292,36 @@ def test_lean_head_in_blocks_equals_one_product():
         got = LeanDecoder._head(x, weight)
         assert got.shape == (rows, weight.shape[0])
         torch.testing.assert_close(got, x @ weight.T, rtol=0, atol=1e-12)
+
+
+def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
+    # Rows share a prefix longer than MIN_CASCADE_PREFIX (a group's prompt, and under it a
+    # second prompt with the same start), so decode attention reads the prefix once.
+    from appo.rollout.hf_engine import MIN_CASCADE_PREFIX
+
+    tok = lm.tokenizer
+    system = tok.encode("You are a careful assistant. " * 12)
+    assert len(system) > MIN_CASCADE_PREFIX
+    prompts = [system + tok.encode(" Question one?"), system + tok.encode(" Two: what now")]
+    runs = {}
+    for cascade in (True, False):
+        eng = HFEngine(lm.model, tok, seed=5, cascade_attention=cascade)
+        used = []
+        original = eng._forward
+
+        def spy(*args, _orig=original, _used=used):
+            _used.append(len(args) > 4 and args[4] is not None)
+            return _orig(*args)
+
+        eng._forward = spy
+        rec = Recorder(eng)
+        rows = rec.fork(eng.add_row(prompts[0]), 3) + rec.fork(eng.add_row(prompts[1]), 2)
+        # Different budgets: rows leave the batch mid-loop (compaction keeps the prefix).
+        rec.decode(rows, [6, 20, 11, 3, 16], SamplingParams())
+        eng.append(rows[1], tok.encode(" <result>\n7\n</result>"))
+        rec.decode(rows[1:3], [9, 5], SamplingParams())
+        assert any(used) == cascade
+        for r in rows:
+            assert rec.max_error(lm.model, r) < TOL, r
+        runs[cascade] = [eng.row_ids(r) for r in rows]
+    assert runs[True] == runs[False]  # same seed, same tokens: only the arithmetic differs

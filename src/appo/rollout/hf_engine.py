@@ -13,6 +13,10 @@ Where the speed comes from:
   hole), and positions are explicit per row, so rows of any length share one forward.
 - Rows that stop leave the batch (compaction) instead of decoding padding until the
   longest row ends; logits are computed for the last position only.
+- Decode attention over a prefix all rows share (a group's prompt, a common system
+  prompt; at least `MIN_CASCADE_PREFIX` tokens) reads its keys/values once for all rows
+  instead of once per row (lean forward, `cascade_attention=True`); one softmax spans the
+  shared and the row's own columns, so the result is the same attention.
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
@@ -34,12 +38,13 @@ from torch import Tensor
 from appo.errors import AppoError
 from appo.prefix import common_prefix_length
 from appo.rollout.engine import SegmentOutput
-from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder
+from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import SamplingParams, sample
 from appo.rollout.stops import StopChecker, eos_ids_of
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a separate forward
+MIN_CASCADE_PREFIX = 64  # shorter shared prefixes are not worth a separate attention matmul
 
 
 class _KV:
@@ -160,6 +165,7 @@ class HFEngine:
         eos_ids: frozenset[int] | None = None,
         transpose_weights: bool | None = None,
         lean_forward: bool | None = None,
+        cascade_attention: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -190,6 +196,7 @@ class HFEngine:
         if transpose_weights is None:
             transpose_weights = self.device.type == "cpu" and self._lean is None
         self._linears = _TransposedLinears(model) if transpose_weights else None
+        self.cascade_attention = cascade_attention
         self.capacity_chunk = capacity_chunk
         self.compact_fraction = compact_fraction
         self.generator = torch.Generator(device=self.device)
@@ -295,11 +302,19 @@ class HFEngine:
         return mask[:, None]
 
     def _forward(self, cache: _BatchCache, input_ids: Tensor, positions: Tensor,
-                 start: Tensor) -> Tensor:
+                 start: Tensor, shared_kv: Tensor | None = None) -> Tensor:
+        """`shared_kv` (`[layers, 2, kv_heads, P, head_dim]`, decode steps of the lean
+        forward): the keys/values of the first P tokens every row shares, read once."""
         steps = input_ids.shape[1]
         if self._lean is not None:
             mask = self._mask(start, cache.length, steps)
-            logits = self._lean(input_ids, positions, mask, cache)
+            prefix = None
+            if shared_kv is not None:
+                p_len = int(shared_kv.shape[3])
+                lo = int(start.min()) + p_len
+                suffix_mask = self._mask(start + p_len, cache.length, steps)[..., lo:]
+                prefix = SharedPrefix(shared_kv, lo, suffix_mask)
+            logits = self._lean(input_ids, positions, mask, cache, prefix)
             cache.length += steps
             return logits
         with self._linears if self._linears is not None else contextlib.nullcontext():
@@ -444,12 +459,24 @@ class HFEngine:
         # (and counted as prefilled), so prefilled + reused stays the tokens of the contexts.
         self.counters.reused -= shared
 
+    def _shared_prefix_kv(self, rows: list[_Row], buf: Tensor, start: Tensor) -> Tensor | None:
+        """A copy of the keys/values of the tokens all rows start with, for decode attention
+        that reads them once (`LeanDecoder` only; rows are batch slots 0..n-1 here)."""
+        if self._lean is None or not self.cascade_attention or len(rows) < 2:
+            return None
+        shared = common_prefix_length([r.ids for r in rows])
+        if shared < MIN_CASCADE_PREFIX:
+            return None
+        first = int(start[0])
+        return buf[:, :, 0, :, first : first + shared].clone()
+
     def _decode_loop(self, rows: list[_Row], outs: list[SegmentOutput], budgets: list[int],
                      params: SamplingParams, buf: Tensor, length: int, start: Tensor,
                      logits: Tensor) -> None:
         for row in rows:
             row.kv = None  # rebuilt as a view of the batch buffer when the loop ends
         seen = self._seen(rows, params)
+        shared_kv = self._shared_prefix_kv(rows, buf, start)
         slot = list(range(len(rows)))  # batch index of each row, -1 once it left the batch
         kv_len = [len(r.ids) for r in rows]  # tokens cached per row (all of ids right now)
         active = [True] * len(rows)
@@ -523,7 +550,8 @@ class HFEngine:
                     ids[slot[i], 0] = rows[i].ids[-1]
                     pos[slot[i], 0] = kv_len[i]
             cache = _BatchCache(buf, length)
-            logits = self._forward(cache, ids.to(self.device), pos.to(self.device), start)
+            logits = self._forward(cache, ids.to(self.device), pos.to(self.device), start,
+                                   shared_kv if b >= 2 else None)
             length += 1
             n_act_step = 0
             for i in batch_rows:

@@ -10,7 +10,8 @@ decode step (weight-bandwidth bound at a few rows) rewards:
   buffer: MKL handles a 49k x 576 weight at 8 rows ~1.4x slower in one call than in
   1024-row blocks (measured here: 28 vs 22 ms per step; see `benchmarks/RESULTS.md`).
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
-  dispatch.
+  dispatch; decode attention can take a shared prefix's keys/values once for all rows
+  (`SharedPrefix`).
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
 picked up with no sync call. The model object is never modified; the trainer's
@@ -31,6 +32,26 @@ from torch import Tensor
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HEAD_BLOCK = 1024
+
+
+@dataclass
+class SharedPrefix:
+    """Keys/values of a context prefix every batch row shares (one prompt, or one system
+    prompt), stored once, for decode steps ("cascade" attention).
+
+    `kv` is `[layers, 2, kv_heads, P, head_dim]`; the batch cache still holds each row's
+    own copy, but decode attention reads this one for all rows (one matmul with every
+    row's queries) and reads from the batch cache only columns `lo:`, under `suffix_mask`
+    (`[rows, 1, 1, columns - lo]`, hiding each row's own prefix copy and padding).
+    """
+
+    kv: Tensor
+    lo: int
+    suffix_mask: Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.kv.shape[3])
 
 
 @dataclass
@@ -153,8 +174,33 @@ class LeanDecoder:
         att = torch.matmul(torch.softmax(scores, dim=-1), values)
         return att.reshape(batch, self.heads, 1, self.head_dim)
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, cache) -> Tensor:
-        """Logits `[B, V]` after the last input column; writes keys/values through `cache`."""
+    def _cascade_attention(self, q: Tensor, keys: Tensor, values: Tensor,
+                           prefix: SharedPrefix, layer: int) -> Tensor:
+        """Decode attention split into a shared prefix (read once for all rows) and each
+        row's own columns; one softmax over both, so it equals `_decode_attention` over the
+        whole context up to float rounding."""
+        batch, group = q.shape[0], self.heads // self.kv_heads
+        # [B, H, 1, d] -> [KV, B * group, d]: every row's queries of one key/value head.
+        qk = q.reshape(batch, self.kv_heads, group, self.head_dim).transpose(0, 1)
+        qk = qk.reshape(self.kv_heads, batch * group, self.head_dim)
+        pk, pv = prefix.kv[layer, 0], prefix.kv[layer, 1]  # [KV, P, d]
+        shared = torch.matmul(qk, pk.transpose(-1, -2)) * self.scale  # [KV, B*group, P]
+        shared = shared.reshape(self.kv_heads, batch, group, -1).transpose(0, 1)
+        qg = q.reshape(batch, self.kv_heads, group, self.head_dim)
+        own = torch.matmul(qg, keys[:, :, prefix.lo :].transpose(-1, -2)) * self.scale
+        own = own + prefix.suffix_mask
+        probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1)
+        p_len = prefix.length
+        p_shared = probs[..., :p_len].transpose(0, 1).reshape(self.kv_heads, batch * group, p_len)
+        att = torch.matmul(p_shared, pv).reshape(self.kv_heads, batch, group, self.head_dim)
+        att = att.transpose(0, 1) + torch.matmul(probs[..., p_len:], values[:, :, prefix.lo :])
+        return att.reshape(batch, self.heads, 1, self.head_dim)
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, cache,
+                 prefix: SharedPrefix | None = None) -> Tensor:
+        """Logits `[B, V]` after the last input column; writes keys/values through `cache`.
+
+        `prefix` (decode steps only) switches attention to the shared-prefix split."""
         self.refresh()
         batch, steps = input_ids.shape
         h = self.base.embed_tokens(input_ids)
@@ -174,7 +220,9 @@ class LeanDecoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, idx)
-            if steps == 1:
+            if steps == 1 and prefix is not None:
+                att = self._cascade_attention(q, keys, values, prefix, idx)
+            elif steps == 1:
                 att = self._decode_attention(q, keys, values, mask)
             else:
                 att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
