@@ -86,19 +86,43 @@ class SearchCache:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.pid == os.getpid():
             return conn
+        # Processes opening a new file at the same moment race to switch it to WAL and to
+        # create the schema; SQLite can answer that race with "database is locked" at once,
+        # without waiting on the busy timeout, so the open is retried until the timeout.
+        deadline = time.monotonic() + self.busy_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                conn = self._open()
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e):
+                    raise AppoError(f"cannot open search cache {self.path}: {e} "
+                                    "(delete the file to start a fresh cache)") from None
+                if time.monotonic() > deadline:
+                    raise AppoError(f"cannot open search cache {self.path}: still locked by "
+                                    f"another process after {self.busy_timeout_s:.0f} s") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            except sqlite3.DatabaseError as e:
+                raise AppoError(f"cannot open search cache {self.path}: {e} "
+                                "(delete the file to start a fresh cache)") from None
+        self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        # isolation_level=None: autocommit; each statement is its own transaction.
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
+                               isolation_level=None, check_same_thread=False)
         try:
-            # isolation_level=None: autocommit; each statement is its own transaction.
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
-                                   isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode: a committed transaction survives a process crash (only a
             # power loss may roll back the last commits); far fewer fsyncs than FULL.
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(SCHEMA)
-        except sqlite3.DatabaseError as e:
-            raise AppoError(f"cannot open search cache {self.path}: {e} "
-                            "(delete the file to start a fresh cache)") from None
-        self._local.conn, self._local.pid = conn, os.getpid()
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     # -- single entries -------------------------------------------------------------------
