@@ -325,3 +325,17 @@ def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
             assert rec.max_error(lm.model, r) < TOL, r
         runs[cascade] = [eng.row_ids(r) for r in rows]
     assert runs[True] == runs[False]  # same seed, same tokens: only the arithmetic differs
+
+
+def test_weight_first_linear_equals_f_linear():
+    from appo.rollout.lean import _linear_weight_first
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 24, generator=gen, dtype=torch.float64)
+    bias = torch.randn(40, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, 1, 24, generator=gen, dtype=torch.float64)  # [B, steps, in]
+    for b in (None, bias):
+        got = _linear_weight_first(x, weight, b)
+        assert got.shape == (3, 1, 40) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
+                                   rtol=0, atol=1e-12)

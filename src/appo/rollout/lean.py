@@ -32,6 +32,10 @@ from torch import Tensor
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HEAD_BLOCK = 1024
+# Decode batches whose projections run as `W @ x^T` (measured, float32, 1 thread, AMD
+# Zen 3 + MKL: decoder matmuls at 2/4/5 rows 70.5/73.6/78.5 ms as `x @ W^T` vs
+# 58.7/49.1/60.1 ms; at 1 and 8 rows the two are equal, at 6 and 12 `x @ W^T` wins).
+SMALL_BATCH_ROWS = range(2, 6)
 
 
 @dataclass
@@ -83,6 +87,15 @@ def _bias(*linears) -> Tensor | None:
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear_weight_first(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`F.linear` as `(W @ x^T)^T`: the same product, which MKL runs 17-33% faster for 2-5
+    rows on this machine's CPU (and not faster at 1, 6 or more; see `SMALL_BATCH_ROWS`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.mm(weight, rows.t()).t().contiguous()
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class LeanDecoder:
@@ -203,13 +216,15 @@ class LeanDecoder:
         `prefix` (decode steps only) switches attention to the shared-prefix split."""
         self.refresh()
         batch, steps = input_ids.shape
+        small = steps == 1 and batch in SMALL_BATCH_ROWS and input_ids.device.type == "cpu"
+        linear = _linear_weight_first if small else F.linear
         h = self.base.embed_tokens(input_ids)
         cos, sin = self.base.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         nq, nkv, hd = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
         for idx, lw in enumerate(self._layers):
             x = F.rms_norm(h, (self.hidden,), lw.in_norm, self.eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
             q = qkv[..., :nq].view(batch, steps, self.heads, hd)
             k = qkv[..., nq : nq + nkv].view(batch, steps, self.kv_heads, hd)
             v = qkv[..., nq + nkv :].view(batch, steps, self.kv_heads, hd)
@@ -228,11 +243,11 @@ class LeanDecoder:
                 att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                      scale=self.scale, enable_gqa=True)
             att = att.transpose(1, 2).reshape(batch, steps, nq)
-            h = h + F.linear(att, lw.o, lw.o_bias)
+            h = h + linear(att, lw.o, lw.o_bias)
             x = F.rms_norm(h, (self.hidden,), lw.post_norm, self.eps)
-            gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)
+            gate_up = linear(x, lw.gate_up, lw.gate_up_bias)
             inter = gate_up.shape[-1] // 2
-            h = h + F.linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
+            h = h + linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:],
                              lw.down, lw.down_bias)
         last = F.rms_norm(h[:, -1], (self.hidden,), self.base.norm.weight, self.eps)
         head = self.model.lm_head
