@@ -177,9 +177,9 @@ def bench_decode_stops(lm, new_tokens: int, seeds: int) -> dict:
 
         def __call__(self, ids, scores):
             step = ids.shape[1] - width
-            forced = [r[step] if step < len(r) else eos[0] for r in self.rows]
-            keep = scores.gather(1, torch.tensor(forced)[:, None])
-            return scores.fill_(float("-inf")).scatter_(1, torch.tensor(forced)[:, None], keep)
+            forced = torch.tensor([r[step] if step < len(r) else eos[0] for r in self.rows])
+            keep = scores.gather(1, forced[:, None])
+            return scores.fill_(float("-inf")).scatter_(1, forced[:, None], keep)
 
     def ours(n: int, seed: int) -> tuple[float, list[list[int]]]:
         eng = HFEngine(lm.model, tok, seed=seed, stop_strings=stops)

@@ -111,9 +111,9 @@ class _TransposedLinears:
     On an Intel CPU, float32 GEMM with a small batch of rows was ~1.2-2x faster in this
     layout than with the `[out, in]` weight `F.linear` passes to MKL (SmolLM2-135M decode
     step 168 -> 138 ms at 8 rows); on an AMD Zen 3 it is faster at 1-2 rows and ~10% slower
-    at 4-8. It serves models outside the lean decoder's family only. The copies are refreshed whenever a weight changes
-    (tensor version counter or storage), so optimizer steps between rollouts are picked up
-    without a sync call. Only the engine's forwards see them: the trainer's forward and
+    at 4-8. It serves models outside the lean decoder's family only. The copies are
+    refreshed whenever a weight changes (tensor version counter or storage), so optimizer
+    steps between rollouts are picked up without a sync call. Only the engine's forwards see them: the trainer's forward and
     backward run the untouched modules. Costs one extra copy of the linear weights.
     """
 
@@ -307,13 +307,13 @@ class HFEngine:
         forward): the keys/values of the first P tokens every row shares, read once."""
         steps = input_ids.shape[1]
         if self._lean is not None:
-            mask = self._mask(start, cache.length, steps)
-            prefix = None
-            if shared_kv is not None:
+            if shared_kv is None:  # the whole-context mask, or only the rows' own columns
+                mask, prefix = self._mask(start, cache.length, steps), None
+            else:
                 p_len = int(shared_kv.shape[3])
                 lo = int(start.min()) + p_len
                 suffix_mask = self._mask(start + p_len, cache.length, steps)[..., lo:]
-                prefix = SharedPrefix(shared_kv, lo, suffix_mask)
+                mask, prefix = None, SharedPrefix(shared_kv, lo, suffix_mask)
             logits = self._lean(input_ids, positions, mask, cache, prefix)
             cache.length += steps
             return logits

@@ -209,11 +209,12 @@ class LeanDecoder:
         att = att.transpose(0, 1) + torch.matmul(probs[..., p_len:], values[:, :, prefix.lo :])
         return att.reshape(batch, self.heads, 1, self.head_dim)
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, cache,
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None, cache,
                  prefix: SharedPrefix | None = None) -> Tensor:
         """Logits `[B, V]` after the last input column; writes keys/values through `cache`.
 
-        `prefix` (decode steps only) switches attention to the shared-prefix split."""
+        `prefix` (decode steps only) switches attention to the shared-prefix split, which
+        carries its own mask; `mask` is then unused (None)."""
         self.refresh()
         batch, steps = input_ids.shape
         small = steps == 1 and batch in SMALL_BATCH_ROWS and input_ids.device.type == "cpu"

@@ -95,8 +95,10 @@ class SearchCache:
             try:
                 conn = self._open()
                 break
-            except sqlite3.OperationalError as e:
-                if "locked" not in str(e) and "busy" not in str(e):
+            except sqlite3.DatabaseError as e:
+                locked = isinstance(e, sqlite3.OperationalError) and (
+                    "locked" in str(e) or "busy" in str(e))
+                if not locked:
                     raise AppoError(f"cannot open search cache {self.path}: {e} "
                                     "(delete the file to start a fresh cache)") from None
                 if time.monotonic() > deadline:
@@ -104,9 +106,6 @@ class SearchCache:
                                     f"another process after {self.busy_timeout_s:.0f} s") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
-            except sqlite3.DatabaseError as e:
-                raise AppoError(f"cannot open search cache {self.path}: {e} "
-                                "(delete the file to start a fresh cache)") from None
         self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 
