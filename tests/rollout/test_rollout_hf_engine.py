@@ -339,3 +339,70 @@ def test_weight_first_linear_equals_f_linear():
         assert got.shape == (3, 1, 40) and got.is_contiguous()
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
                                    rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 13])
+def test_cpu_kernel_linear_equals_f_linear(rows):
+    # Row counts cover the kernel's blocks of 8, of 4 and single rows and their mixes; an
+    # odd weight height and a K that is not a multiple of the 8 SIMD lanes.
+    pytest.importorskip("numba")
+    from appo.rollout import cpu_kernels
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 29, generator=gen, dtype=torch.float64)
+    bias = torch.randn(37, generator=gen, dtype=torch.float64)
+    x = torch.randn(rows, 1, 29, generator=gen, dtype=torch.float64)
+    for b in (None, bias):
+        got = cpu_kernels.linear(x, weight, b)
+        assert got.shape == (rows, 1, 37)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
+                                   rtol=0, atol=1e-12)
+    # float32, the dtype the engine uses it for: equal up to summation order.
+    w32, x32 = weight.float(), x.float()
+    torch.testing.assert_close(cpu_kernels.linear(x32, w32), x32 @ w32.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["numba-kernel", "torch-mm"])
+def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, kernel,
+                                                                         monkeypatch):
+    if kernel:
+        pytest.importorskip("numba")
+    from appo.rollout import cpu_kernels, lean
+
+    calls = []
+    original = cpu_kernels.linear
+
+    def spy(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(cpu_kernels, "linear", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel only runs at <= KERNEL_MAX_THREADS
+    try:
+        tok = lm.tokenizer
+        eng = HFEngine(lm.model, tok, seed=4, cpu_kernel=kernel)
+        rec = Recorder(eng)
+        # 14 rows (over KERNEL_MAX_ROWS: torch.mm) shrinking to a few (the kernel).
+        rows = rec.fork(eng.add_row(tok.encode("kernel check")), 9) + rec.fork(
+            eng.add_row(tok.encode("and another prompt")), 5)
+        rec.decode(rows, [2, 4, 6, 8, 10, 12, 14, 3, 5, 7, 9, 11, 13, 15], SamplingParams())
+        for r in rows:
+            assert rec.max_error(lm.model, r) < TOL, r
+    finally:
+        torch.set_num_threads(threads)
+    if kernel:
+        assert calls and max(calls) <= lean.KERNEL_MAX_ROWS
+    else:
+        assert not calls
+
+
+def test_cpu_kernel_can_be_switched_off_by_environment(lm, monkeypatch):
+    from appo.errors import AppoError
+    from appo.rollout import cpu_kernels
+
+    monkeypatch.setenv("APPO_CPU_KERNELS", "0")
+    assert not cpu_kernels.available()
+    assert not HFEngine(lm.model, lm.tokenizer)._lean.cpu_kernel
+    with pytest.raises(AppoError, match="cpu_kernel=True needs numba"):
+        HFEngine(lm.model, lm.tokenizer, cpu_kernel=True)

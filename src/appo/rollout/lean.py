@@ -30,12 +30,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from appo.errors import AppoError
+from appo.rollout import cpu_kernels
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HEAD_BLOCK = 1024
 # Decode batches whose projections run as `W @ x^T` (measured, float32, 1 thread, AMD
 # Zen 3 + MKL: decoder matmuls at 2/4/5 rows 70.5/73.6/78.5 ms as `x @ W^T` vs
 # 58.7/49.1/60.1 ms; at 1 and 8 rows the two are equal, at 6 and 12 `x @ W^T` wins).
 SMALL_BATCH_ROWS = range(2, 6)
+# Decode steps of at most this many rows run every projection and the LM head through the
+# numba kernel (`cpu_kernels`) when torch uses at most `KERNEL_MAX_THREADS` threads.
+# Measured per decode step of SmolLM2-135M here, decoder matmuls + head, MKL vs kernel:
+# 1 thread, 8 rows 112 vs 70 ms, 12 rows 134 vs 98 ms, 16 rows equal; 2 torch threads
+# (wall time, the kernel on one) 8 rows 91 vs 69 ms. With many cores MKL's threaded GEMM
+# would win, hence the thread cap.
+KERNEL_MAX_ROWS = 12
+KERNEL_MAX_THREADS = 2
 
 
 @dataclass
@@ -99,7 +110,13 @@ def _linear_weight_first(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tens
 
 
 class LeanDecoder:
-    def __init__(self, model):
+    def __init__(self, model, cpu_kernel: bool | None = None):
+        """`cpu_kernel`: use the numba decode kernel where it is faster (None: when numba
+        is installed; True: require it)."""
+        if cpu_kernel and not cpu_kernels.available():
+            raise AppoError("cpu_kernel=True needs numba (pip install numba) and "
+                            "APPO_CPU_KERNELS unset or 1")
+        self.cpu_kernel = cpu_kernels.available() if cpu_kernel is None else cpu_kernel
         self.model = model
         self.base = model.model
         config = model.config
@@ -164,6 +181,17 @@ class LeanDecoder:
             self._key = key
 
     # ------------------------------------------------------------------ forward
+    def _decode_linear(self, input_ids: Tensor):
+        """The fastest `F.linear` for a decode step of this many rows (measured, CPU)."""
+        batch = input_ids.shape[0]
+        if input_ids.device.type != "cpu":
+            return F.linear
+        if (self.cpu_kernel and batch <= KERNEL_MAX_ROWS and self._layers
+                and self._layers[0].qkv.dtype == torch.float32
+                and torch.get_num_threads() <= KERNEL_MAX_THREADS):
+            return cpu_kernels.linear
+        return _linear_weight_first if batch in SMALL_BATCH_ROWS else F.linear
+
     @staticmethod
     def _head(x: Tensor, weight: Tensor) -> Tensor:
         """`x @ weight.T` (`[B, V]`) computed in blocks of `HEAD_BLOCK` weight rows."""
@@ -217,8 +245,7 @@ class LeanDecoder:
         carries its own mask; `mask` is then unused (None)."""
         self.refresh()
         batch, steps = input_ids.shape
-        small = steps == 1 and batch in SMALL_BATCH_ROWS and input_ids.device.type == "cpu"
-        linear = _linear_weight_first if small else F.linear
+        linear = self._decode_linear(input_ids) if steps == 1 else F.linear
         h = self.base.embed_tokens(input_ids)
         cos, sin = self.base.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
@@ -254,5 +281,6 @@ class LeanDecoder:
         head = self.model.lm_head
         if type(head) is not torch.nn.Linear:  # a wrapped / custom head: its own forward
             return head(last)
-        logits = self._head(last, head.weight)
+        logits = (cpu_kernels.linear(last, head.weight) if linear is cpu_kernels.linear
+                  else self._head(last, head.weight))
         return logits if head.bias is None else logits + head.bias
