@@ -1,6 +1,7 @@
 """Rollout engine benchmarks on SmolLM2-135M (float32, CPU), written to results/rollout.md.
 
-(a) decode throughput of the `hf` engine vs `model.generate` on the same batch and settings:
+(a) decode throughput of the `hf` engine (its defaults: lean forward, cascade attention, the
+    numba CPU decode kernel) vs `model.generate` on the same batch and settings:
     8 prompts with the `code_search` system prompt (~270 tokens), temperature 1, a fixed
     number of new tokens (EOS does not stop either side: `min_new_tokens` for generate,
     `eos_ids=()` for the engine), so both do exactly the same work.
@@ -49,6 +50,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_kernel_on() -> bool:
+    from appo.rollout import cpu_kernels
+
+    return cpu_kernels.available()
 
 
 MACHINE = f"{cpu_name()}, 2 cores, 24 GiB, torch {torch.__version__}"
@@ -360,6 +367,9 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
         f"{args.threads}); python {platform.python_version()}",
         "- model: SmolLM2-135M-Instruct, float32, CPU. Ratios are measured in the same run, "
         "sides interleaved; times are the best of the repeats.",
+        f"- engine: lean forward, cascade decode attention, numba CPU decode kernel "
+        f"{'on' if cpu_kernel_on() else 'off (numba missing or APPO_CPU_KERNELS=0)'}; "
+        "`generate` runs the model's own forward (MKL matmuls)",
         f"- KV-cache exactness on SmolLM2 (forks + a tool round): max |logp(engine) - "
         f"logp(full forward)| = {res['kv_err']:.2e}",
         "",

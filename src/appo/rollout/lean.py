@@ -12,6 +12,10 @@ decode step (weight-bandwidth bound at a few rows) rewards:
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
   dispatch; decode attention can take a shared prefix's keys/values once for all rows
   (`SharedPrefix`).
+- CPU decode steps of at most `KERNEL_MAX_ROWS` rows (float32, at most
+  `KERNEL_MAX_THREADS` torch threads) run every projection and the LM head through the
+  numba kernel in `cpu_kernels` (~1.6x MKL at 8 rows here); without numba, 2-5-row steps
+  use `W @ x^T` and larger ones `F.linear`.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
 picked up with no sync call. The model object is never modified; the trainer's
@@ -41,10 +45,10 @@ HEAD_BLOCK = 1024
 SMALL_BATCH_ROWS = range(2, 6)
 # Decode steps of at most this many rows run every projection and the LM head through the
 # numba kernel (`cpu_kernels`) when torch uses at most `KERNEL_MAX_THREADS` threads.
-# Measured per decode step of SmolLM2-135M here, decoder matmuls + head, MKL vs kernel:
-# 1 thread, 8 rows 112 vs 70 ms, 12 rows 134 vs 98 ms, 16 rows equal; 2 torch threads
-# (wall time, the kernel on one) 8 rows 91 vs 69 ms. With many cores MKL's threaded GEMM
-# would win, hence the thread cap.
+# Measured per decode step of SmolLM2-135M here (benchmarks/decode_kernel.py), decoder
+# matmuls + head, MKL vs kernel: 1 thread, 8 rows 105 vs 68 ms, 12 rows 110 vs 90 ms, 16
+# rows equal; 2 torch threads (wall time, the kernel on one) 8 rows 100 vs 80 ms. With
+# many cores MKL's threaded GEMM would win, hence the thread cap.
 KERNEL_MAX_ROWS = 12
 KERNEL_MAX_THREADS = 2
 
