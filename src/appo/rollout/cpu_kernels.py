@@ -4,9 +4,9 @@ At 8 rows a decode step's matmuls are neither bandwidth- nor compute-bound for M
 small-M float32 GEMM runs at ~20 GFLOP/s on this project's machine (AMD Zen 3, AVX2, one
 thread), a third of what the core does on cached data. This kernel walks the weight once,
 one row at a time, and dots it with eight (then four, then single) input rows while it
-stays in L1;
-LLVM vectorises the dot products (8 lanes). Measured on the same machine: ~30 GFLOP/s
-streaming the SmolLM2-135M weights at 8 rows (see `benchmarks/RESULTS.md`).
+stays in L1; LLVM vectorises the dot products (8 lanes). Measured on the same machine:
+~30 GFLOP/s streaming the SmolLM2-135M weights at 8 rows, 1.56x MKL per decode step
+(`benchmarks/decode_kernel.py`, figures in `benchmarks/RESULTS.md`).
 
 Only the rollout engine's lean decoder uses it, never training; sums are reassociated
 (`fastmath`), so results differ from MKL's in the last bits, like any other GEMM. numba is
@@ -76,8 +76,8 @@ def _build():
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)` for contiguous float32 CPU tensors, `x` `[..., K]`,
-    `weight` `[N, K]`; returns `[..., N]`."""
+    """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
+    float64 in tests); returns `[..., N]`, a new contiguous tensor."""
     global _kernel
     if _kernel is None:
         _kernel = _build()

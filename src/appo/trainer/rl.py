@@ -24,6 +24,7 @@ Deviations from the original (verl) and why:
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import math
@@ -161,6 +162,13 @@ class UpdateSettings:
 # ----------------------------------------------------------------------------- distributed
 
 
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class DataParallel:
     """Rank / world size and the few collectives the loop needs (no-ops in one process)."""
 
@@ -182,6 +190,11 @@ class DataParallel:
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            # Leave the group while the interpreter is still whole: a process that exits
+            # with the group alive tears gloo's worker threads down during finalisation,
+            # which now and then aborts a rank ("terminate called without an active
+            # exception", SIGABRT) after its work is done.
+            atexit.register(_leave_process_group)
         return cls()
 
     @property
