@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from appo.errors import AppoError
+from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
@@ -93,7 +94,7 @@ class _BatchCache:
         self.length = length  # columns filled before the current forward
         self.write_mask: Tensor | None = None
 
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *_: object, **__: object):
         lo, hi = self.length, self.length + key.shape[2]
         for slot, new in ((0, key), (1, value)):
             dst = self.buf[layer_idx, slot, :, :, lo:hi]
@@ -326,9 +327,9 @@ class HFEngine:
                 input_ids=input_ids,
                 attention_mask=self._mask(start, cache.length, steps),
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **cache_argument(self.model, cache),
             )
         cache.length += steps
         return out.logits[:, -1, :]

@@ -8,7 +8,7 @@ full forward of every row - same hidden states, same gradients (the prefix's gra
 the sum over rows, which `expand` gives by construction) - at the cost of
 `prefix + sum(suffixes)` tokens instead of `rows * (prefix + suffix)`.
 
-Works with any decoder whose attention layers call `past_key_values.update(...)` and accept a
+Works with any decoder whose attention layers call `cache.update(...)` and accept a
 4D additive mask with explicit position ids (all transformers decoders do). With gradient
 checkpointing on, or when the shared prefix is short, the plain padded forward is used.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
 from appo.trainer.batching import MicroBatchPlan, pad_right
 
@@ -45,7 +46,7 @@ class _PrefixCache:
         self.length = 0
         self.storing = True
 
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, cache_kwargs=None):
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *_: object, **__: object):
         if self.storing:
             self.keys[layer_idx], self.values[layer_idx] = key, value
             return key, value
@@ -92,8 +93,8 @@ def final_hidden_states(model, rows: list[list[int]], pad_id: int,
     cache = _PrefixCache()
     prefix = torch.tensor(rows[0][:shared], dtype=torch.long, device=device)[None]
     out = model(input_ids=prefix, attention_mask=_additive_causal_mask(1, 0, shared, dtype, device),
-                position_ids=torch.arange(shared, device=device)[None], past_key_values=cache,
-                use_cache=True, output_hidden_states=True, logits_to_keep=1)
+                position_ids=torch.arange(shared, device=device)[None], use_cache=True,
+                **cache_argument(model, cache), output_hidden_states=True, logits_to_keep=1)
     prefix_hidden = out.hidden_states[-1]  # [1, L, D]
     cache.expand(len(rows))
     cache.length = shared
@@ -103,8 +104,8 @@ def final_hidden_states(model, rows: list[list[int]], pad_id: int,
                 attention_mask=_additive_causal_mask(len(rows), shared, steps, dtype, device),
                 position_ids=torch.arange(shared, shared + steps, device=device)[None].expand(
                     len(rows), -1),
-                past_key_values=cache, use_cache=True, output_hidden_states=True,
-                logits_to_keep=1)
+                use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                **cache_argument(model, cache))
     suffix_hidden = out.hidden_states[-1]  # [B, S, D]
     return torch.cat([prefix_hidden.expand(len(rows), -1, -1), suffix_hidden], dim=1)
 
