@@ -167,6 +167,13 @@ def _leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # gloo's worker threads drop a finished collective's tensors after the caller has
+    # returned, and dropping a tensor's Python object takes the GIL. A thread that asks for
+    # the GIL once finalisation has begun is ended by Python inside that C++ destructor,
+    # and std::terminate aborts the rank (seen in a core dump: ~AsyncAllreduceWork ->
+    # decref_pyobject -> take_gil -> pthread_exit). Sleeping hands the GIL to any such
+    # pending release while the interpreter is still whole.
+    time.sleep(0.05)
 
 
 class DataParallel:
