@@ -35,7 +35,8 @@ def test_loss_counts_only_masked_targets():
     base, n = masked_token_loss_sum(lm.model, [ex], pad)
     assert n == sum(ex.loss_mask[1:])
     # The same sum from full logits: -log softmax at each masked target.
-    logits = lm.model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1].float()
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1].float()
     nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.input_ids[1:])[:, None])[:, 0]
     expected = (nll * torch.tensor(ex.loss_mask[1:], dtype=torch.float32)).sum()
     assert abs(float(base.detach()) - float(expected)) < 1e-4 * float(expected)
