@@ -341,10 +341,13 @@ def test_weight_first_linear_equals_f_linear():
                                    rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["row-at-a-time", "wide"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 13])
-def test_cpu_kernel_linear_equals_f_linear(rows):
-    # Row counts cover the kernel's blocks of 8, of 4 and single rows and their mixes; an
-    # odd weight height and a K that is not a multiple of the 8 SIMD lanes.
+def test_cpu_kernel_linear_equals_f_linear(rows, wide):
+    # Row counts cover the row-at-a-time kernel's blocks of 8, of 4 and single rows and the
+    # wide kernel's row pairs and odd last row; the weight height (37 = 4 x 8 + 5) leaves
+    # a remainder after the wide kernel's blocks of 8 weight rows; K is not a multiple of
+    # the SIMD lanes.
     pytest.importorskip("numba")
     from appo.rollout import cpu_kernels
 
@@ -353,21 +356,23 @@ def test_cpu_kernel_linear_equals_f_linear(rows):
     bias = torch.randn(37, generator=gen, dtype=torch.float64)
     x = torch.randn(rows, 1, 29, generator=gen, dtype=torch.float64)
     for b in (None, bias):
-        got = cpu_kernels.linear(x, weight, b)
+        got = cpu_kernels.linear(x, weight, b, wide=wide)
         assert got.shape == (rows, 1, 37)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
                                    rtol=0, atol=1e-12)
     # float32, the dtype the engine uses it for: equal up to summation order.
     w32, x32 = weight.float(), x.float()
-    torch.testing.assert_close(cpu_kernels.linear(x32, w32), x32 @ w32.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_kernels.linear(x32, w32, wide=wide), x32 @ w32.T,
+                               rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["numba-kernel", "torch-mm"])
-def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, kernel,
+@pytest.mark.parametrize(("kernel", "wide"), [(True, True), (True, False), (False, False)],
+                         ids=["numba-kernels-avx512", "numba-kernel-avx2", "torch-mm"])
+def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, kernel, wide,
                                                                          monkeypatch):
     if kernel:
         pytest.importorskip("numba")
-    from appo.rollout import cpu_kernels, lean
+    from appo.rollout import cpu_kernels
 
     calls = []
     original = cpu_kernels.linear
@@ -377,13 +382,18 @@ def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, ker
         return original(x, weight, bias)
 
     monkeypatch.setattr(cpu_kernels, "linear", spy)
+    # Either CPU's choice on any machine (the wide kernel is exact on AVX2 too, only
+    # slower); a fixed row limit so 14 rows take torch.mm and the shrinking batch reaches
+    # both the wide (> WIDE_MIN_ROWS) and the row-at-a-time kernel.
+    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: wide)
+    monkeypatch.setattr(cpu_kernels, "max_rows", lambda: 12)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel only runs at <= KERNEL_MAX_THREADS
     try:
         tok = lm.tokenizer
         eng = HFEngine(lm.model, tok, seed=4, cpu_kernel=kernel)
         rec = Recorder(eng)
-        # 14 rows (over KERNEL_MAX_ROWS: torch.mm) shrinking to a few (the kernel).
+        # 14 rows (over max_rows(): torch.mm) shrinking to a few (the kernels).
         rows = rec.fork(eng.add_row(tok.encode("kernel check")), 9) + rec.fork(
             eng.add_row(tok.encode("and another prompt")), 5)
         rec.decode(rows, [2, 4, 6, 8, 10, 12, 14, 3, 5, 7, 9, 11, 13, 15], SamplingParams())
@@ -392,9 +402,30 @@ def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, ker
     finally:
         torch.set_num_threads(threads)
     if kernel:
-        assert calls and max(calls) <= lean.KERNEL_MAX_ROWS
+        assert calls and max(calls) <= 12
+        assert max(calls) > cpu_kernels.WIDE_MIN_ROWS and min(calls) <= cpu_kernels.WIDE_MIN_ROWS
     else:
         assert not calls
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_cpu_kernel_choice_follows_rows_and_registers(avx512, monkeypatch):
+    pytest.importorskip("numba")
+    from appo.rollout import cpu_kernels
+
+    used = []
+    for name in ("_kernel", "_wide_kernel"):
+        build = cpu_kernels._build_wide if name == "_wide_kernel" else cpu_kernels._build
+        real = build()
+        monkeypatch.setattr(cpu_kernels, name,
+                            lambda *a, real=real, name=name: (used.append(name), real(*a)))
+    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: avx512)
+    weight = torch.randn(16, 8)
+    for rows in (cpu_kernels.WIDE_MIN_ROWS, cpu_kernels.WIDE_MIN_ROWS + 1):
+        cpu_kernels.linear(torch.randn(rows, 8), weight)
+    # The wide kernel only with AVX-512 and only past WIDE_MIN_ROWS rows.
+    assert used == ["_kernel", "_wide_kernel" if avx512 else "_kernel"]
+    assert cpu_kernels.max_rows() == (cpu_kernels.WIDE_MAX_ROWS if avx512 else 12)
 
 
 def test_cpu_kernel_can_be_switched_off_by_environment(lm, monkeypatch):

@@ -8,6 +8,12 @@ stays in L1; LLVM vectorises the dot products (8 lanes). Measured on the same ma
 ~30 GFLOP/s streaming the SmolLM2-135M weights at 8 rows, 1.56x MKL per decode step
 (`benchmarks/decode_kernel.py`, figures in `benchmarks/RESULTS.md`).
 
+With AVX-512 (32 vector registers) that kernel is load-bound past 4 rows: it reloads every
+input row for every weight row. There a second kernel takes eight weight rows against two
+input rows (16 accumulators, 10 loads per 16 multiply-adds): on an AMD Zen 5 it is 1.35x
+the first at 8 rows, and 1.9x MKL at 8 rows, 1.8x at 48 (MKL's single-thread small-M GEMM
+is weak on these AMD cores).
+
 Only the rollout engine's lean decoder uses it, never training; sums are reassociated
 (`fastmath`), so results differ from MKL's in the last bits, like any other GEMM. numba is
 optional: without it (or with `APPO_CPU_KERNELS=0`) `available()` is False and callers
@@ -16,6 +22,7 @@ use `torch.mm`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -28,6 +35,15 @@ except ImportError:  # pragma: no cover - exercised on installs without numba
     numba = None
 
 _kernel = None
+_wide_kernel = None
+# On AVX-512 the wide kernel runs steps of more than WIDE_MIN_ROWS rows, and the kernels
+# serve steps of up to WIDE_MAX_ROWS rows. Measured per SmolLM2-135M decode step (all
+# projections + LM head, ms, 1 thread, AMD Zen 5): rows 4/5/6/8 row-at-a-time 19.0/24.2/
+# 29.7/39.5 vs wide 23.2/28.3/27.4/29.2; MKL vs wide at 16/32/48/64 rows 74.9/110.1/148.5/
+# 185.3 vs 39.9/60.9/81.9/104.0. Past 48 rows two MKL threads would catch up with the
+# one-threaded kernel.
+WIDE_MIN_ROWS = 5
+WIDE_MAX_ROWS = 48
 
 
 def available() -> bool:
@@ -75,14 +91,96 @@ def _build():
     return rows_times_weight_t
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def _build_wide():
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
+    def weight_blocks_times_row_pairs(x, w, out):  # pragma: no cover - compiled by numba
+        # Eight weight rows against two input rows: 16 accumulators, 10 loads per 16
+        # multiply-adds (the row-at-a-time kernel does 9 per 8). Needs 32 vector registers
+        # (AVX-512); with 16 the accumulators spill.
+        m_rows, k_len = x.shape
+        n_len = w.shape[0]
+        n8 = n_len - n_len % 8
+        m2 = m_rows - m_rows % 2
+        for n in range(0, n8, 8):
+            for m in range(0, m2, 2):
+                a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+                b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
+                for k in range(k_len):
+                    xa, xb = x[m, k], x[m + 1, k]
+                    w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
+                    w4, w5, w6, w7 = w[n + 4, k], w[n + 5, k], w[n + 6, k], w[n + 7, k]
+                    a0 += xa * w0
+                    a1 += xa * w1
+                    a2 += xa * w2
+                    a3 += xa * w3
+                    a4 += xa * w4
+                    a5 += xa * w5
+                    a6 += xa * w6
+                    a7 += xa * w7
+                    b0 += xb * w0
+                    b1 += xb * w1
+                    b2 += xb * w2
+                    b3 += xb * w3
+                    b4 += xb * w4
+                    b5 += xb * w5
+                    b6 += xb * w6
+                    b7 += xb * w7
+                out[m, n], out[m, n + 1], out[m, n + 2], out[m, n + 3] = a0, a1, a2, a3
+                out[m, n + 4], out[m, n + 5], out[m, n + 6], out[m, n + 7] = a4, a5, a6, a7
+                out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2] = b0, b1, b2
+                out[m + 1, n + 3], out[m + 1, n + 4], out[m + 1, n + 5] = b3, b4, b5
+                out[m + 1, n + 6], out[m + 1, n + 7] = b6, b7
+            for m in range(m2, m_rows):
+                for j in range(8):
+                    a0 = np.float32(0.0)
+                    for k in range(k_len):
+                        a0 += x[m, k] * w[n + j, k]
+                    out[m, n + j] = a0
+        for n in range(n8, n_len):
+            for m in range(m_rows):
+                a0 = np.float32(0.0)
+                for k in range(k_len):
+                    a0 += x[m, k] * w[n, k]
+                out[m, n] = a0
+
+    return weight_blocks_times_row_pairs
+
+
+@functools.cache
+def wide_registers() -> bool:
+    """Whether the CPU numba compiles for has AVX-512 (32 vector registers)."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f", False))
+
+
+def max_rows() -> int:
+    """Decode steps of at most this many rows are faster through the kernels than through
+    MKL (measured per SmolLM2-135M decode step, `benchmarks/decode_kernel.py`): 12 on
+    AVX2 (Zen 3), WIDE_MAX_ROWS with AVX-512 (Zen 5)."""
+    return WIDE_MAX_ROWS if wide_registers() else 12
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           wide: bool | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
-    float64 in tests); returns `[..., N]`, a new contiguous tensor."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
+    float64 in tests); returns `[..., N]`, a new contiguous tensor. `wide` picks the
+    8-weight-rows x 2-input-rows kernel; by default it runs for more than WIDE_MIN_ROWS
+    rows on AVX-512 CPUs (below that the row-at-a-time kernel is bandwidth-bound and
+    faster)."""
+    global _kernel, _wide_kernel
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if wide is None:
+        wide = rows.shape[0] > WIDE_MIN_ROWS and wide_registers()
+    if wide:
+        if _wide_kernel is None:
+            _wide_kernel = _build_wide()
+        kernel = _wide_kernel
+    else:
+        if _kernel is None:
+            _kernel = _build()
+        kernel = _kernel
     out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
-    _kernel(rows.detach().numpy(), weight.detach().numpy(), out.numpy())
+    kernel(rows.detach().numpy(), weight.detach().numpy(), out.numpy())
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

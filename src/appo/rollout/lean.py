@@ -12,9 +12,10 @@ decode step (weight-bandwidth bound at a few rows) rewards:
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
   dispatch; decode attention can take a shared prefix's keys/values once for all rows
   (`SharedPrefix`).
-- CPU decode steps of at most `KERNEL_MAX_ROWS` rows (float32, at most
-  `KERNEL_MAX_THREADS` torch threads) run every projection and the LM head through the
-  numba kernel in `cpu_kernels` (~1.6x MKL at 8 rows here); without numba, 2-5-row steps
+- CPU decode steps of at most `cpu_kernels.max_rows()` rows (12, or 48 with AVX-512;
+  float32, at most `KERNEL_MAX_THREADS` torch threads) run every projection and the LM
+  head through the numba kernels in `cpu_kernels` (~1.6x MKL at 8 rows on Zen 3, ~1.9x
+  on Zen 5); without numba, 2-5-row steps
   use `W @ x^T` and larger ones `F.linear`.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
@@ -48,8 +49,8 @@ SMALL_BATCH_ROWS = range(2, 6)
 # Measured per decode step of SmolLM2-135M here (benchmarks/decode_kernel.py), decoder
 # matmuls + head, MKL vs kernel: 1 thread, 8 rows 105 vs 68 ms, 12 rows 110 vs 90 ms, 16
 # rows equal; 2 torch threads (wall time, the kernel on one) 8 rows 100 vs 80 ms. With
-# many cores MKL's threaded GEMM would win, hence the thread cap.
-KERNEL_MAX_ROWS = 12
+# many cores MKL's threaded GEMM would win, hence the thread cap. On AVX-512 CPUs a wider
+# kernel serves up to `cpu_kernels.max_rows()` rows.
 KERNEL_MAX_THREADS = 2
 
 
@@ -190,7 +191,7 @@ class LeanDecoder:
         batch = input_ids.shape[0]
         if input_ids.device.type != "cpu":
             return F.linear
-        if (self.cpu_kernel and batch <= KERNEL_MAX_ROWS and self._layers
+        if (self.cpu_kernel and batch <= cpu_kernels.max_rows() and self._layers
                 and self._layers[0].qkv.dtype == torch.float32
                 and torch.get_num_threads() <= KERNEL_MAX_THREADS):
             return cpu_kernels.linear
