@@ -1,12 +1,15 @@
 """Rollout engine benchmarks on SmolLM2-135M (float32, CPU), written to results/rollout.md.
 
-(a) decode throughput of the `hf` engine (its defaults: lean forward, cascade attention, the
-    numba CPU decode kernel) vs `model.generate` on the same batch and settings:
+(a) decode throughput of the `hf` engine (its defaults: lean forward, cascade attention,
+    decode matmuls as measured fastest on this machine) vs `model.generate` on the same
+    batch and settings:
     8 prompts with the `code_search` system prompt (~270 tokens), temperature 1, a fixed
     number of new tokens (EOS does not stop either side: `min_new_tokens` for generate,
     `eos_ids=()` for the engine), so both do exactly the same work.
     (a2) the same batch with EOS and the tool stop strings on, as in a rollout; `generate`
     follows the engine's sampled tokens, so both produce identical outputs.
+    (a3) a 32-row batch with stops: the engine's measured decode matmul plan vs each single
+    implementation forced for every step.
 (b) arpo with n=16 (8 initial) on 2 prompts: prefill tokens computed with cache reuse and
     forks vs recomputing every row's whole context at every round (the engine with
     `reuse_cache=False`, which is what independent rollouts through a stateless generate
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import random
 import statistics
@@ -52,10 +56,16 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def cpu_kernel_on() -> bool:
-    from appo.rollout import cpu_kernels
+def tune_decode(lm, max_rows: int) -> dict[int, str]:
+    """Measure the engine's decode matmul plan now (once per machine; read back later), so
+    no timed run pays for it. Returns bucket -> implementation."""
+    from appo.rollout.hf_engine import HFEngine
 
-    return cpu_kernels.available()
+    return HFEngine(lm.model, lm.tokenizer).tune_decode(max_rows)
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 MACHINE = f"{cpu_name()}, 2 cores, 24 GiB, torch {torch.__version__}"
@@ -228,6 +238,62 @@ def bench_decode_stops(lm, new_tokens: int, seeds: int) -> dict:
     }
 
 
+def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
+                      repeats: int) -> dict:
+    """(a3) The decode matmul plan vs each single implementation forced for every step.
+
+    A rollout-sized batch (`prompts_n` prompts x `per_prompt` rows, `code_search` prompt,
+    EOS and tool stops on, at most `new_tokens` per row), so steps run at every row count
+    from the full batch down to one row as rows stop. Same seed for every policy; policies
+    are interleaved within each repeat. Throughput = sampled tokens / decode CPU time
+    (prefill included: it is the same torch forward for every policy).
+    """
+    from appo.rollout import cpu_kernels, matmul_plan
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.stops import tool_stop_strings
+
+    tok = lm.tokenizer
+    tags = ["python", "search"]
+    prompt_ids = [chat_ids(tok, q, "code_search", tags) for q in QUESTIONS[:prompts_n]]
+    policies = ["plan", "torch", "torch_weight_first"]
+    if cpu_kernels.available():
+        policies += ["numba", "numba_wide"]
+
+    def run(policy: str, seed: int) -> tuple[float, int]:
+        if policy == "plan":
+            os.environ.pop(matmul_plan.FORCE_ENV, None)
+        else:
+            os.environ[matmul_plan.FORCE_ENV] = policy
+        try:
+            eng = HFEngine(lm.model, tok, seed=seed, stop_strings=tool_stop_strings(tags))
+            rows = [r for p in prompt_ids for r in eng.fork(eng.add_row(p), per_prompt)]
+            t0 = clock()
+            outs = eng.decode(rows, [new_tokens] * len(rows), SamplingParams())
+            return clock() - t0, sum(len(o.token_ids) for o in outs)
+        finally:
+            os.environ.pop(matmul_plan.FORCE_ENV, None)
+
+    runs: dict[str, list[tuple[float, int]]] = {p: [] for p in policies}
+    for rep in range(repeats):
+        for policy in policies:
+            seconds, tokens = run(policy, rep)
+            runs[policy].append((seconds, tokens))
+            print(f"  (a3) rep {rep} {policy}: {tokens} tokens in {seconds:.1f}s "
+                  f"({tokens / seconds:.1f} tok/s)", flush=True)
+    tok_s = {p: sum(t for _, t in r) / sum(s for s, _ in r) for p, r in runs.items()}
+    return {
+        "rows": prompts_n * per_prompt, "new_tokens": new_tokens, "repeats": repeats,
+        "tok_s": tok_s,
+        "tokens": {p: [t for _, t in r] for p, r in runs.items()},
+        # tok/s of the plan over tok/s of the policy, per repeat (the same seed on both
+        # sides, but float differences let the rows sample different lengths)
+        "plan_speedup": {p: [(pt / ps) / (t / s) for (s, t), (ps, pt) in zip(r, runs["plan"],
+                                                                            strict=True)]
+                         for p, r in runs.items()},
+    }
+
+
 # ---------------------------------------------------------------- (b)
 def bench_arpo(lm, n: int, initial: int, max_response: int, repeats: int) -> dict:
     from appo.rollout import RolloutPrompt, RolloutSettings, rollout
@@ -363,13 +429,15 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
         "",
         f"- command: `.venv/bin/python benchmarks/rollout.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- machine: {MACHINE} (shared with other jobs while measured; torch threads: "
-        f"{args.threads}); python {platform.python_version()}",
+        f"- machine: {MACHINE} (torch threads: {args.threads}); python "
+        f"{platform.python_version()}; load average (1/5/15 min) at start {res['load_start']}, "
+        f"at end {load_average()}",
         "- model: SmolLM2-135M-Instruct, float32, CPU. Ratios are measured in the same run, "
         "sides interleaved; times are the best of the repeats.",
-        f"- engine: lean forward, cascade decode attention, numba CPU decode kernel "
-        f"{'on' if cpu_kernel_on() else 'off (numba missing or APPO_CPU_KERNELS=0)'}; "
-        "`generate` runs the model's own forward (MKL matmuls)",
+        "- engine: lean forward, cascade decode attention, decode matmuls as measured "
+        "fastest here per row count (`appo.rollout.matmul_plan`; bucket: implementation): "
+        + ", ".join(f"{b}: {name}" for b, name in sorted(res["plan"].items()))
+        + "; `generate` runs the model's own forward (MKL matmuls)",
         f"- KV-cache exactness on SmolLM2 (forks + a tool round): max |logp(engine) - "
         f"logp(full forward)| = {res['kv_err']:.2e}",
         "",
@@ -410,6 +478,26 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
         "",
         f"Over all seeds: engine {a2['engine_tok_s']:.1f} tok/s, generate "
         f"{a2['generate_tok_s']:.1f} tok/s; median speed-up {a2['ratio_median']:.2f}x.",
+        "",
+    ]
+    a3 = res["a3"]
+    lines += [
+        "### (a3) decode matmuls: the measured plan vs one implementation for every step",
+        "",
+        f"{a3['rows']} rows (4 prompts x 8, `code_search` prompt), EOS and tool stops on, at "
+        f"most {a3['new_tokens']} new tokens, so decode steps run at every row count from "
+        f"{a3['rows']} down to 1; same seeds for every policy, policies interleaved, "
+        f"{a3['repeats']} repeats. `plan` is the engine's default (`appo.rollout.matmul_plan`); "
+        "the others force one implementation (`APPO_DECODE_MATMUL`).",
+        "",
+        "| policy | tok/s (all repeats) | tokens per repeat | plan's tok/s over the policy's (per repeat) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for policy, tok_s in a3["tok_s"].items():
+        ratios = ", ".join(f"{r:.2f}x" for r in a3["plan_speedup"][policy])
+        tokens = ", ".join(str(t) for t in a3["tokens"][policy])
+        lines.append(f"| {policy} | {tok_s:.1f} | {tokens} | {ratios} |")
+    lines += [
         "",
         "## (b) arpo n=16 (8 initial) vs recomputing every prefix / 16 independent rollouts",
         "",
@@ -468,12 +556,16 @@ def main() -> None:
     parser.add_argument("--b-max-response", type=int, default=192)
     parser.add_argument("--only-a", action="store_true",
                         help="only (a), decode throughput; prints, does not write results")
+    parser.add_argument("--only-a3", action="store_true",
+                        help="only (a3), the decode matmul plan; prints, does not write results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from appo.models import load_model
 
     lm = load_model("smollm2-135m", device="cpu")
-    res: dict = {"kv_err": kv_check(lm)}
+    res: dict = {"load_start": load_average(), "plan": tune_decode(lm, 32)}
+    print("decode matmul plan:", res["plan"], flush=True)
+    res["kv_err"] = kv_check(lm)
     print(f"KV check: max abs logp diff {res['kv_err']:.2e}", flush=True)
     if args.only_a:
         res["a"] = [bench_decode(lm, 128, args.repeats), bench_decode(lm, 384, args.repeats)]
@@ -482,15 +574,20 @@ def main() -> None:
                                      "ratio_best", "ratio_median", "total_ratio_median")})
         print(bench_decode_stops(lm, 256, args.repeats))
         return
+    if args.only_a3:
+        print(bench_decode_plan(lm, 4, 8, 192, args.repeats))
+        return
     if args.quick:
         res["a"] = [bench_decode(lm, 8, 1), bench_decode(lm, 16, 1)]
         res["a2"] = bench_decode_stops(lm, 16, 1)
+        res["a3"] = bench_decode_plan(lm, 2, 2, 16, 1)
         res["b"] = bench_arpo(lm, 4, 2, 48, 1)
         res["c"] = bench_multiround(lm, 2, 2, 8, 16, 1)
         print(res)
         return
     res["a"] = [bench_decode(lm, 128, args.repeats), bench_decode(lm, 384, args.repeats)]
     res["a2"] = bench_decode_stops(lm, 256, args.repeats + 1)
+    res["a3"] = bench_decode_plan(lm, 4, 8, 192, args.repeats)
     res["b"] = bench_arpo(lm, 16, 8, args.b_max_response, max(1, args.repeats - 1))
     res["c"] = bench_multiround(lm, 4, 6, 32, 48, args.repeats)
     write_results(res, args)

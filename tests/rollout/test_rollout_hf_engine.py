@@ -281,19 +281,6 @@ def test_engine_leaves_the_trainer_model_untouched_and_follows_weight_updates(lm
             target.weight.copy_(saved)
 
 
-def test_lean_head_in_blocks_equals_one_product():
-    # A vocabulary that is not a multiple of the block size: the last block is partial.
-    from appo.rollout.lean import HEAD_BLOCK, LeanDecoder
-
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(2 * HEAD_BLOCK + 77, 48, generator=gen, dtype=torch.float64)
-    for rows in (1, 3):
-        x = torch.randn(rows, 48, generator=gen, dtype=torch.float64)
-        got = LeanDecoder._head(x, weight)
-        assert got.shape == (rows, weight.shape[0])
-        torch.testing.assert_close(got, x @ weight.T, rtol=0, atol=1e-12)
-
-
 def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
     # Rows share a prefix longer than MIN_CASCADE_PREFIX (a group's prompt, and under it a
     # second prompt with the same start), so decode attention reads the prefix once.
@@ -327,105 +314,70 @@ def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
     assert runs[True] == runs[False]  # same seed, same tokens: only the arithmetic differs
 
 
-def test_weight_first_linear_equals_f_linear():
-    from appo.rollout.lean import _linear_weight_first
-
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(40, 24, generator=gen, dtype=torch.float64)
-    bias = torch.randn(40, generator=gen, dtype=torch.float64)
-    x = torch.randn(3, 1, 24, generator=gen, dtype=torch.float64)  # [B, steps, in]
-    for b in (None, bias):
-        got = _linear_weight_first(x, weight, b)
-        assert got.shape == (3, 1, 40) and got.is_contiguous()
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
-                                   rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("wide", [False, True], ids=["row-at-a-time", "wide"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 13])
-def test_cpu_kernel_linear_equals_f_linear(rows, wide):
-    # Row counts cover the row-at-a-time kernel's blocks of 8, of 4 and single rows and the
-    # wide kernel's row pairs and odd last row; the weight height (37 = 4 x 8 + 5) leaves
-    # a remainder after the wide kernel's blocks of 8 weight rows; K is not a multiple of
-    # the SIMD lanes.
-    pytest.importorskip("numba")
-    from appo.rollout import cpu_kernels
-
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(37, 29, generator=gen, dtype=torch.float64)
-    bias = torch.randn(37, generator=gen, dtype=torch.float64)
-    x = torch.randn(rows, 1, 29, generator=gen, dtype=torch.float64)
-    for b in (None, bias):
-        got = cpu_kernels.linear(x, weight, b, wide=wide)
-        assert got.shape == (rows, 1, 37)
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b),
-                                   rtol=0, atol=1e-12)
-    # float32, the dtype the engine uses it for: equal up to summation order.
-    w32, x32 = weight.float(), x.float()
-    torch.testing.assert_close(cpu_kernels.linear(x32, w32, wide=wide), x32 @ w32.T,
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("kernel", "wide"), [(True, True), (True, False), (False, False)],
-                         ids=["numba-kernels-avx512", "numba-kernel-avx2", "torch-mm"])
-def test_decode_steps_with_and_without_the_cpu_kernel_match_full_forward(lm, kernel, wide,
+@pytest.mark.parametrize("name", ["torch", "torch_weight_first", "numba", "numba_wide"])
+def test_decode_steps_match_full_forward_with_every_matmul_implementation(lm, name,
                                                                          monkeypatch):
-    if kernel:
-        pytest.importorskip("numba")
-    from appo.rollout import cpu_kernels
+    from appo.rollout import cpu_kernels, matmul_plan
 
+    impl = matmul_plan.IMPLEMENTATIONS[name]
+    if impl.kernel and not cpu_kernels.available():
+        pytest.skip("numba CPU kernels are not available")
     calls = []
-    original = cpu_kernels.linear
 
     def spy(x, weight, bias=None):
-        calls.append(x.shape[0])
-        return original(x, weight, bias)
+        calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return impl.linear(x, weight, bias)
 
-    monkeypatch.setattr(cpu_kernels, "linear", spy)
-    # Either CPU's choice on any machine (the wide kernel is exact on AVX2 too, only
-    # slower); a fixed row limit so 14 rows take torch.mm and the shrinking batch reaches
-    # both the wide (> WIDE_MIN_ROWS) and the row-at-a-time kernel.
-    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: wide)
-    monkeypatch.setattr(cpu_kernels, "max_rows", lambda: 12)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel only runs at <= KERNEL_MAX_THREADS
-    try:
-        tok = lm.tokenizer
-        eng = HFEngine(lm.model, tok, seed=4, cpu_kernel=kernel)
-        rec = Recorder(eng)
-        # 14 rows (over max_rows(): torch.mm) shrinking to a few (the kernels).
-        rows = rec.fork(eng.add_row(tok.encode("kernel check")), 9) + rec.fork(
-            eng.add_row(tok.encode("and another prompt")), 5)
-        rec.decode(rows, [2, 4, 6, 8, 10, 12, 14, 3, 5, 7, 9, 11, 13, 15], SamplingParams())
-        for r in rows:
-            assert rec.max_error(lm.model, r) < TOL, r
-    finally:
-        torch.set_num_threads(threads)
-    if kernel:
-        assert calls and max(calls) <= 12
-        assert max(calls) > cpu_kernels.WIDE_MIN_ROWS and min(calls) <= cpu_kernels.WIDE_MIN_ROWS
-    else:
-        assert not calls
+    monkeypatch.setitem(matmul_plan.IMPLEMENTATIONS, name,
+                        matmul_plan.Implementation(name, spy, impl.head, impl.kernel, impl.wide))
+    monkeypatch.setenv(matmul_plan.FORCE_ENV, name)
+    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: True)  # exact on AVX2 too
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=4)
+    rec = Recorder(eng)
+    # 14 rows from two prompts, shrinking to one as their budgets run out.
+    rows = rec.fork(eng.add_row(tok.encode("kernel check")), 9) + rec.fork(
+        eng.add_row(tok.encode("and another prompt")), 5)
+    rec.decode(rows, [2, 4, 6, 8, 10, 12, 14, 3, 5, 7, 9, 11, 13, 15], SamplingParams())
+    for r in rows:
+        assert rec.max_error(lm.model, r) < TOL, r
+    # Decode steps (and only they: prefill is torch's) ran the forced implementation.
+    assert calls and max(calls) == 14 and min(calls) <= 2
 
 
-@pytest.mark.parametrize("avx512", [True, False])
-def test_cpu_kernel_choice_follows_rows_and_registers(avx512, monkeypatch):
-    pytest.importorskip("numba")
-    from appo.rollout import cpu_kernels
+def test_each_decode_step_runs_the_implementation_measured_fastest_for_its_size(
+        lm, monkeypatch, tmp_path):
+    from appo.rollout import matmul_plan
 
-    used = []
-    for name in ("_kernel", "_wide_kernel"):
-        build = cpu_kernels._build_wide if name == "_wide_kernel" else cpu_kernels._build
-        real = build()
-        monkeypatch.setattr(cpu_kernels, name,
-                            lambda *a, real=real, name=name: (used.append(name), real(*a)))
-    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: avx512)
-    weight = torch.randn(16, 8)
-    for rows in (cpu_kernels.WIDE_MIN_ROWS, cpu_kernels.WIDE_MIN_ROWS + 1):
-        cpu_kernels.linear(torch.randn(rows, 8), weight)
-    # The wide kernel only with AVX-512 and only past WIDE_MIN_ROWS rows.
-    assert used == ["_kernel", "_wide_kernel" if avx512 else "_kernel"]
-    assert cpu_kernels.max_rows() == (cpu_kernels.WIDE_MAX_ROWS if avx512 else 12)
+    monkeypatch.setattr(matmul_plan, "_MEMORY", {})
+    monkeypatch.delenv(matmul_plan.FORCE_ENV, raising=False)
+    monkeypatch.setenv("APPO_CACHE", str(tmp_path))
+    fastest = {"torch": lambda rows: rows > 4, "torch_weight_first": lambda rows: rows <= 4}
+    monkeypatch.setattr(matmul_plan.DecodeMatmulPlan, "time_step",
+                        lambda self, impl, rows: 0.1 if fastest.get(impl.name, lambda r: 0)(
+                            rows) else 1.0)
+    used: list[tuple[str, int]] = []
+    for name in ("torch", "torch_weight_first"):
+        impl = matmul_plan.IMPLEMENTATIONS[name]
+
+        def spy(x, weight, bias=None, impl=impl):
+            used.append((impl.name, x.reshape(-1, x.shape[-1]).shape[0]))
+            return impl.linear(x, weight, bias)
+
+        monkeypatch.setitem(matmul_plan.IMPLEMENTATIONS, name,
+                            matmul_plan.Implementation(name, spy, impl.head))
+    tok = lm.tokenizer
+    # compact_fraction=0: a row that stops leaves the batch at once, so the 8 rows shrink
+    # by one per decode step.
+    eng = HFEngine(lm.model, tok, seed=1, cpu_kernel=False, compact_fraction=0.0)
+    rows = eng.fork(eng.add_row(tok.encode("which matmuls")), 8)
+    eng.decode(rows, [2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
+    steps = {(name, rows) for name, rows in used}
+    # Steps of <= 4 rows ran W @ x^T, larger ones F.linear (7 rows: bucket 6's choice).
+    assert steps == {("torch", r) for r in range(5, 9)} | {
+        ("torch_weight_first", r) for r in range(1, 5)}
+    assert eng.tune_decode(8) == {b: ("torch_weight_first" if b <= 4 else "torch")
+                                  for b in (1, 2, 3, 4, 5, 6, 8)}
 
 
 def test_cpu_kernel_can_be_switched_off_by_environment(lm, monkeypatch):
@@ -434,6 +386,8 @@ def test_cpu_kernel_can_be_switched_off_by_environment(lm, monkeypatch):
 
     monkeypatch.setenv("APPO_CPU_KERNELS", "0")
     assert not cpu_kernels.available()
-    assert not HFEngine(lm.model, lm.tokenizer)._lean.cpu_kernel
+    lean = HFEngine(lm.model, lm.tokenizer)._lean
+    assert not lean.cpu_kernel
+    assert not any(impl.kernel for impl in lean.plan.candidates)
     with pytest.raises(AppoError, match="cpu_kernel=True needs numba"):
         HFEngine(lm.model, lm.tokenizer, cpu_kernel=True)

@@ -12,7 +12,9 @@ With AVX-512 (32 vector registers) that kernel is load-bound past 4 rows: it rel
 input row for every weight row. There a second kernel takes eight weight rows against two
 input rows (16 accumulators, 10 loads per 16 multiply-adds): on an AMD Zen 5 it is 1.35x
 the first at 8 rows, and 1.9x MKL at 8 rows, 1.8x at 48 (MKL's single-thread small-M GEMM
-is weak on these AMD cores).
+is weak on these AMD cores). On an Intel Xeon (AVX-512) the kernels win only at 4-12
+rows, and lose to MKL at 1-3 and at 16 or more; so which one runs, if any, is not decided
+here but measured per machine and row count (`appo.rollout.matmul_plan`).
 
 Only the rollout engine's lean decoder uses it, never training; sums are reassociated
 (`fastmath`), so results differ from MKL's in the last bits, like any other GEMM. numba is
@@ -36,14 +38,6 @@ except ImportError:  # pragma: no cover - exercised on installs without numba
 
 _kernel = None
 _wide_kernel = None
-# On AVX-512 the wide kernel runs steps of more than WIDE_MIN_ROWS rows, and the kernels
-# serve steps of up to WIDE_MAX_ROWS rows. Measured per SmolLM2-135M decode step (all
-# projections + LM head, ms, 1 thread, AMD Zen 5): rows 4/5/6/8 row-at-a-time 19.0/24.2/
-# 29.7/39.5 vs wide 23.2/28.3/27.4/29.2; MKL vs wide at 16/32/48/64 rows 74.9/110.1/148.5/
-# 185.3 vs 39.9/60.9/81.9/104.0. Past 48 rows two MKL threads would catch up with the
-# one-threaded kernel.
-WIDE_MIN_ROWS = 5
-WIDE_MAX_ROWS = 48
 
 
 def available() -> bool:
@@ -154,24 +148,13 @@ def wide_registers() -> bool:
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 
 
-def max_rows() -> int:
-    """Decode steps of at most this many rows are faster through the kernels than through
-    MKL (measured per SmolLM2-135M decode step, `benchmarks/decode_kernel.py`): 12 on
-    AVX2 (Zen 3), WIDE_MAX_ROWS with AVX-512 (Zen 5)."""
-    return WIDE_MAX_ROWS if wide_registers() else 12
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           wide: bool | None = None) -> Tensor:
+           wide: bool = False) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
     float64 in tests); returns `[..., N]`, a new contiguous tensor. `wide` picks the
-    8-weight-rows x 2-input-rows kernel; by default it runs for more than WIDE_MIN_ROWS
-    rows on AVX-512 CPUs (below that the row-at-a-time kernel is bandwidth-bound and
-    faster)."""
+    8-weight-rows x 2-input-rows kernel (worth it only with AVX-512's 32 registers)."""
     global _kernel, _wide_kernel
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if wide is None:
-        wide = rows.shape[0] > WIDE_MIN_ROWS and wide_registers()
     if wide:
         if _wide_kernel is None:
             _wide_kernel = _build_wide()

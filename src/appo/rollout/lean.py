@@ -6,17 +6,13 @@ decode step (weight-bandwidth bound at a few rows) rewards:
   layer fewer). An `[in, out]` transposed copy was faster on an earlier Intel machine but
   ~10% slower per decode step on this one (AMD Zen 3, MKL), so the plain layout is kept;
   the output and down projections use the model's own weights, no copy.
-- the LM head in row blocks of `HEAD_BLOCK` vocabulary entries, written into one logits
-  buffer: MKL handles a 49k x 576 weight at 8 rows ~1.4x slower in one call than in
-  1024-row blocks (measured here: 28 vs 22 ms per step; see `benchmarks/RESULTS.md`).
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
   dispatch; decode attention can take a shared prefix's keys/values once for all rows
   (`SharedPrefix`).
-- CPU decode steps of at most `cpu_kernels.max_rows()` rows (12, or 48 with AVX-512;
-  float32, at most `KERNEL_MAX_THREADS` torch threads) run every projection and the LM
-  head through the numba kernels in `cpu_kernels` (~1.6x MKL at 8 rows on Zen 3, ~1.9x
-  on Zen 5); without numba, 2-5-row steps
-  use `W @ x^T` and larger ones `F.linear`.
+- CPU decode steps run their projections and LM head the way measured fastest on this
+  machine for that many rows (`matmul_plan`): torch (MKL; the LM head in row blocks),
+  torch as `W @ x^T`, or the numba kernels of `cpu_kernels` (~1.3x MKL at 8 rows on an
+  Intel Xeon, ~1.6x on an AMD Zen 3, ~1.9x on a Zen 5). Prefill and GPU steps use torch.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
 picked up with no sync call. The model object is never modified; the trainer's
@@ -37,21 +33,9 @@ from torch import Tensor
 
 from appo.errors import AppoError
 from appo.rollout import cpu_kernels
+from appo.rollout.matmul_plan import DEFAULT, DecodeMatmulPlan, Implementation
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HEAD_BLOCK = 1024
-# Decode batches whose projections run as `W @ x^T` (measured, float32, 1 thread, AMD
-# Zen 3 + MKL: decoder matmuls at 2/4/5 rows 70.5/73.6/78.5 ms as `x @ W^T` vs
-# 58.7/49.1/60.1 ms; at 1 and 8 rows the two are equal, at 6 and 12 `x @ W^T` wins).
-SMALL_BATCH_ROWS = range(2, 6)
-# Decode steps of at most this many rows run every projection and the LM head through the
-# numba kernel (`cpu_kernels`) when torch uses at most `KERNEL_MAX_THREADS` threads.
-# Measured per decode step of SmolLM2-135M here (benchmarks/decode_kernel.py), decoder
-# matmuls + head, MKL vs kernel: 1 thread, 8 rows 105 vs 68 ms, 12 rows 110 vs 90 ms, 16
-# rows equal; 2 torch threads (wall time, the kernel on one) 8 rows 100 vs 80 ms. With
-# many cores MKL's threaded GEMM would win, hence the thread cap. On AVX-512 CPUs a wider
-# kernel serves up to `cpu_kernels.max_rows()` rows.
-KERNEL_MAX_THREADS = 2
 
 
 @dataclass
@@ -105,15 +89,6 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear_weight_first(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`F.linear` as `(W @ x^T)^T`: the same product, which MKL runs 17-33% faster for 2-5
-    rows on this machine's CPU (and not faster at 1, 6 or more; see `SMALL_BATCH_ROWS`)."""
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.mm(weight, rows.t()).t().contiguous()
-    y = y if bias is None else y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
 class LeanDecoder:
     def __init__(self, model, cpu_kernel: bool | None = None):
         """`cpu_kernel`: use the numba decode kernel where it is faster (None: when numba
@@ -133,6 +108,7 @@ class LeanDecoder:
         self.scale = self.head_dim**-0.5
         self._key: tuple | None = None
         self._layers: list[_Layer] = []
+        self._plan: DecodeMatmulPlan | None = None
 
     @staticmethod
     def supports(model) -> bool:
@@ -184,27 +160,26 @@ class LeanDecoder:
             self._layers = []  # drop the old copies before making new ones
             self._pack()
             self._key = key
+            self._plan = None  # measured choices live in matmul_plan, keyed by shapes
+
+    @property
+    def plan(self) -> DecodeMatmulPlan:
+        """Which matmuls a CPU decode step of a given size runs (measured once per machine)."""
+        if self._plan is None:
+            self.refresh()
+            weights = [w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+            head = self.model.lm_head
+            head = head.weight.detach() if type(head) is torch.nn.Linear else None
+            self._plan = DecodeMatmulPlan(weights, head, use_kernels=self.cpu_kernel)
+        return self._plan
 
     # ------------------------------------------------------------------ forward
-    def _decode_linear(self, input_ids: Tensor):
-        """The fastest `F.linear` for a decode step of this many rows (measured, CPU)."""
-        batch = input_ids.shape[0]
-        if input_ids.device.type != "cpu":
-            return F.linear
-        if (self.cpu_kernel and batch <= cpu_kernels.max_rows() and self._layers
-                and self._layers[0].qkv.dtype == torch.float32
-                and torch.get_num_threads() <= KERNEL_MAX_THREADS):
-            return cpu_kernels.linear
-        return _linear_weight_first if batch in SMALL_BATCH_ROWS else F.linear
-
-    @staticmethod
-    def _head(x: Tensor, weight: Tensor) -> Tensor:
-        """`x @ weight.T` (`[B, V]`) computed in blocks of `HEAD_BLOCK` weight rows."""
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        for lo in range(0, weight.shape[0], HEAD_BLOCK):
-            block = weight[lo : lo + HEAD_BLOCK]
-            torch.mm(x, block.t(), out=out[:, lo : lo + block.shape[0]])
-        return out
+    def _matmuls(self, input_ids: Tensor) -> Implementation:
+        """How this forward runs its projections and LM head (see `matmul_plan`)."""
+        batch, steps = input_ids.shape
+        if steps != 1 or input_ids.device.type != "cpu":
+            return DEFAULT
+        return self.plan.implementation(batch)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """One query per row: `[B, H, 1, d]` against `[B, KV, L, d]` keys/values.
@@ -250,7 +225,8 @@ class LeanDecoder:
         carries its own mask; `mask` is then unused (None)."""
         self.refresh()
         batch, steps = input_ids.shape
-        linear = self._decode_linear(input_ids) if steps == 1 else F.linear
+        matmuls = self._matmuls(input_ids)
+        linear = matmuls.linear
         h = self.base.embed_tokens(input_ids)
         cos, sin = self.base.rotary_emb(h, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
@@ -286,6 +262,5 @@ class LeanDecoder:
         head = self.model.lm_head
         if type(head) is not torch.nn.Linear:  # a wrapped / custom head: its own forward
             return head(last)
-        logits = (cpu_kernels.linear(last, head.weight) if linear is cpu_kernels.linear
-                  else self._head(last, head.weight))
+        logits = matmuls.head(last, head.weight)
         return logits if head.bias is None else logits + head.bias
