@@ -82,6 +82,26 @@ def test_bad_values_name_key_and_value(override, pattern):
         load_config(overrides=[override])
 
 
+def test_appo_credit_needs_appo_rollouts():
+    # arpo/aepo branches are trained rows; the appo credit mapping would give them no
+    # advantage, silently. Say so at load time.
+    with pytest.raises(AppoError, match=r"adv_estimator=appo needs rollout\.strategy=appo "
+                                        r"\(got 'arpo'\)"):
+        load_config(overrides=["algorithm.adv_estimator=appo", "rollout.strategy=arpo"])
+    cfg = load_config(overrides=["algorithm.adv_estimator=appo", "rollout.strategy=appo"])
+    assert cfg.algorithm.adv_estimator == "appo"
+
+
+def test_rollout_defaults_follow_the_spec_and_noise_tolerance_reaches_the_settings():
+    from appo.rollout import RolloutSettings
+
+    cfg = load_config()
+    assert (cfg.rollout.n, cfg.rollout.initial_rollouts) == (16, 8)  # SPEC 2 arpo
+    assert RolloutSettings.from_config(cfg).lr_noise_tol is None  # by the scorer's dtype
+    cfg = load_config(overrides=["rollout.lr_noise_tol=0.05"])
+    assert RolloutSettings.from_config(cfg).lr_noise_tol == 0.05
+
+
 def test_open_dicts_accept_new_tool_instances():
     cfg = load_config(
         overrides=[

@@ -60,8 +60,8 @@ class DataConfig:
 class RolloutConfig:
     name: str = "hf"
     strategy: str = "arpo"
-    n: int = 8
-    initial_rollouts: int = 4
+    n: int = 16  # SPEC 2 / the ARPO paper; the CPU demo uses 8 (configs/demo.yaml)
+    initial_rollouts: int = 8
     beam_size: int = 2
     branch_probability: float = 0.5
     entropy_weight: float = 0.2
@@ -81,6 +81,11 @@ class RolloutConfig:
     # appo
     appo_gamma: float = 1.0
     future_value_clip: float = 0.2
+    # A row whose |logp_current - logp_rollout| all stay within this is on-policy up to
+    # recompute noise (FV = 1): appo ranks its branch points by entropy. null: by the
+    # scoring model's dtype (float32 1e-3, float16 0.25, bfloat16 2.0: measured recompute
+    # noise times 5-25; appo.rollout.scoring.LR_NOISE_TOL).
+    lr_noise_tol: float | None = None
     reward_scale_discount: float = 0.9
     # vllm engine
     gpu_memory_utilization: float = 0.7
@@ -342,6 +347,13 @@ def _validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be in [0, 1])")
+    if cfg.algorithm.adv_estimator == "appo" and cfg.rollout.strategy != "appo":
+        # APPO's credit mapping treats every row with a parent as an untrained branch; arpo /
+        # aepo branches are trained rows, so they would silently get no advantage.
+        raise AppoError(
+            f"algorithm.adv_estimator=appo needs rollout.strategy=appo (got "
+            f"{cfg.rollout.strategy!r}); use grpo, rloo or reinforce_plus_plus with it"
+        )
     for name, inst in cfg.tools.tool_instances.items():
         if OmegaConf.is_missing(inst, "class_path"):
             raise AppoError(f"config key 'tools.tool_instances.{name}.class_path' is not set")

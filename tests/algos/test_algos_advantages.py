@@ -235,6 +235,20 @@ def test_branch_of_a_branch_credits_the_root_up_to_the_shared_prefix():
     assert adv[0].tolist() == pytest.approx([0.0, 0.0, -z, -z, 0.0], abs=1e-6)
 
 
+def test_a_branch_from_the_prompt_counts_in_the_z_scores_and_credits_no_token():
+    # Rows: o0 (score 1), o1 (0), b (branch of o0 at the prompt, split -1, score 1),
+    # b2 (branch of o0 at token 2, score 0). Initial z over [1, 0]: +-0.5 / (0.5 + eps) = +-z;
+    # branch z over [1, 0]: b = +z, b2 = -z. o0: t <= 2 gets z + mean(b2) = z - z = 0 (b's
+    # split -1 covers no token), t = 3: z. o1: -z everywhere. Branch rows: 0.
+    tree = BranchTree(torch.tensor([-1, -1, 0, 0]), torch.tensor([-1, -1, -1, 2]))
+    adv, _ = appo_advantage(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 4),
+                            ["g"] * 4, tree=tree)
+    z = 0.5 / (0.5 + EPS)
+    assert adv[0].tolist() == pytest.approx([0.0, 0.0, 0.0, z], abs=1e-6)
+    assert adv[1].tolist() == pytest.approx([-z] * 4, abs=1e-6)
+    assert adv[2:].abs().max() == 0
+
+
 def naive_appo(scores, uids, parent, split, width, discount):
     def zscores(rows_):
         out = {}
@@ -275,7 +289,8 @@ def test_appo_equals_naive_loop_on_random_forests(seed, discount):
             scores.append(rng.choice([0.0, 1.0, rng.uniform(-1, 1)]))
         for _ in range(rng.randint(0, 5)):
             uids.append(f"p{p}"), parent.append(rng.choice(roots))
-            split.append(rng.randrange(width)), scores.append(rng.choice([0.0, 1.0]))
+            # split -1: a branch sharing only the prompt (credits no token)
+            split.append(rng.randrange(-1, width)), scores.append(rng.choice([0.0, 1.0]))
     order = list(range(len(uids)))
     rng.shuffle(order)  # rows in any order: remap parents
     where = {old: new for new, old in enumerate(order)}
@@ -299,6 +314,9 @@ def test_appo_reports_bad_trees():
     with pytest.raises(AppoError, match="prompt group"):
         appo_advantage(torch.ones(3), mask, ["a", "a", "b"],
                        tree=BranchTree(torch.tensor([-1, -1, 0]), torch.tensor([-1, -1, 1])))
+    with pytest.raises(AppoError, match="split index -2"):
+        appo_advantage(torch.ones(3), mask, ["a"] * 3,
+                       tree=BranchTree(torch.tensor([-1, -1, 0]), torch.tensor([-1, -1, -2])))
     with pytest.raises(AppoError, match="split index 4"):
         appo_advantage(torch.ones(3), mask, ["a"] * 3,
                        tree=BranchTree(torch.tensor([-1, -1, 0]), torch.tensor([-1, -1, 4])))

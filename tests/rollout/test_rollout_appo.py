@@ -50,6 +50,12 @@ def test_future_value_hand_computed():
     # Large sums are clamped at +-20 before exp, then clipped to [1-eps, 1+eps].
     big = future_value(torch.tensor([50.0, -80.0]), torch.tensor([True, True]), 1.0, 0.2)
     assert big.tolist() == pytest.approx([0.8, 0.8])
+    # -inf (the current policy's top-k excludes the sampled token) gives 1 - eps where it
+    # is covered, not NaN; at a masked position it counts 0.
+    inf = float("-inf")
+    fv = future_value(torch.tensor([0.1, inf, 0.05, inf]),
+                      torch.tensor([True, True, True, False]), 1.0, 0.2)
+    assert fv.tolist() == pytest.approx([0.8, 0.8, math.exp(0.05), 1.0], abs=1e-6)
 
 
 def naive_scores(h, lpc, lpr, mask, gamma, eps):
@@ -211,3 +217,86 @@ def test_appo_needs_a_score_fn(tok):
     with pytest.raises(AppoError, match="score_fn"):
         rollout([RolloutPrompt("a", [1, 2])], eng, FakeTools(), RolloutSettings(),
                 strategy="appo")
+
+
+def test_on_policy_is_judged_by_each_log_ratio_not_by_the_fv_spread():
+    # 400 tokens whose log-ratios are recompute-sized noise (|lr| <= 5e-5, as measured on
+    # SmolLM2 in float32): FV sums them over the rest of the row, so its spread exceeds 1e-4,
+    # yet every lr is within lr_noise_tol (1e-3) -> on-policy: z(FV) = 0.
+    gen = torch.Generator().manual_seed(0)
+    size = 400
+    lpr = -torch.rand(size, generator=gen)
+    noise = (torch.rand(size, generator=gen) * 2 - 1) * 5e-5 + 2e-5  # a slight drift
+    h = torch.rand(size, generator=gen)
+    mask = torch.ones(size, dtype=torch.bool)
+    got = branching_scores(h, lpr + noise, lpr, mask)
+    assert float(got.fv.std(unbiased=False)) > 1e-4
+    assert got.z_fv.abs().max() == 0 and got.bs.abs().max() == 0
+    # One token moved by 2e-3 (an optimizer step's size, not noise): FV is scored.
+    moved = noise.clone()
+    moved[100] = 2e-3
+    got = branching_scores(h, lpr + moved, lpr, mask)
+    assert got.z_fv.abs().max() > 0
+    # A token the current policy excludes (lr = -inf) is a difference, never noise.
+    excluded = noise.clone()
+    excluded[5] = float("-inf")
+    got = branching_scores(h, lpr + excluded, lpr, mask)
+    assert got.z_fv.abs().max() > 0 and torch.isfinite(got.bs).all()
+
+
+def test_default_noise_tolerance_follows_the_scoring_dtype(tok):
+    from appo.rollout.scoring import LR_NOISE_TOL
+
+    trajs, _ = hand_built(tok)
+    # lr of 0.05 at every token: noise for a bfloat16 scorer, a real difference in float32.
+    shifted = [torch.tensor(t.logp_rollout) + 0.05 * (-1) ** torch.arange(len(t.logp_rollout))
+               for t in trajs]
+    assert LR_NOISE_TOL[torch.float32] < 0.05 < LR_NOISE_TOL[torch.bfloat16]
+    s = RolloutSettings()
+    by_entropy = picks(plan_branches(trajs, [torch.tensor(t.logp_rollout) for t in trajs],
+                                     {"u": 4}, s, tok))
+    assert picks(plan_branches(trajs, shifted, {"u": 4}, s, tok,
+                               score_dtype=torch.bfloat16)) == by_entropy
+    assert picks(plan_branches(trajs, shifted, {"u": 4}, s, tok,
+                               score_dtype=torch.float32)) != by_entropy
+    # An explicit rollout.lr_noise_tol wins over the dtype's default.
+    loose = RolloutSettings(lr_noise_tol=1.0)
+    assert picks(plan_branches(trajs, shifted, {"u": 4}, loose, tok,
+                               score_dtype=torch.float32)) == by_entropy
+
+
+def test_score_fn_rows_must_match_the_responses(tok):
+    trajs, current = hand_built(tok)
+    with pytest.raises(AppoError, match="score_fn returned 4 log-probs for trajectory"):
+        plan_branches(trajs, [current[0][:-1], current[1]], {"u": 2}, RolloutSettings(), tok)
+
+
+def test_hf_score_fn_reproduces_the_behaviour_log_probs_under_processed_sampling():
+    # On-policy, the score_fn's log-probs must equal the engine's logp_rollout, which is
+    # under the distribution actually sampled (repetition penalty, temperature, top-k,
+    # top-p): lr ~ 0 for every sampled token, so FV is 1 and nothing ranks by noise.
+    from appo.models import load_model
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.scoring import hf_score_fn
+
+    lm = load_model("tiny-test", device="cpu")
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.3)
+    s = RolloutSettings(n=3, initial_rollouts=3, max_response_length=40, sampling=params)
+    prompts = [RolloutPrompt("a", lm.tokenizer.encode("score me")),
+               RolloutPrompt("b", lm.tokenizer.encode("and me too, please"))]
+    batch = rollout(prompts, HFEngine(lm.model, lm.tokenizer, seed=5), None, s,
+                    strategy="grpo")
+    score = hf_score_fn(lm.model, params)
+    assert score.dtype == torch.float32
+    for traj, current in zip(batch.trajectories, score(batch.trajectories), strict=True):
+        assert current.shape == (len(traj.response_ids),)
+        lr = current - torch.tensor(traj.logp_rollout)
+        assert lr.abs().max() < 1e-4, traj.traj_id
+    # At the temperature alone (as verl recomputes), top-k/top-p/penalty leave a gap.
+    plain = hf_score_fn(lm.model, SamplingParams(temperature=0.7))(batch.trajectories)
+    gaps = [float((c - torch.tensor(t.logp_rollout)).abs().max())
+            for t, c in zip(batch.trajectories, plain, strict=True)]
+    assert max(gaps) > 1e-2
+    with pytest.raises(AppoError, match="SamplingParams"):
+        hf_score_fn(lm.model, 0.7)

@@ -226,6 +226,41 @@ def test_aepo_consecutive_branch_penalty_matches_hand_computation(tok):
     assert len(batch.trajectories) == 4
 
 
+def test_aepo_a_fresh_row_counts_as_a_new_row_for_the_penalty(tok):
+    """One prompt, m = 1, n = 3, beam 2, branch_penalty 0.25; every row makes 2 tool calls
+    (entropy 1.0 everywhere, so delta = 0) and then answers: p = u * max(0, 1 - 0.25 c).
+
+    rounds 1-2: R0's calls, u = 0.0, 0.0 -> no branch; round 3: R0 answers (c stays 0).
+    round 4: R0 done, 1 < n rows: fresh row F1 (a new row of round 4); F1's first call,
+             u = 0.0 -> no branch; c -> 1.
+    round 5: F1's second call, u = 0.6: p = 0.6 * 0.75 = 0.45 < 0.5 -> no branch (counting
+             only branches as new rows, c would be 0, p = 0.6 and F1 would branch); c -> 0.
+    round 6: F1 answers. round 7: fresh F2 fills the budget: no more decisions.
+    So the budget is filled by fresh rows only, after 4 draws.
+    """
+    first = []
+
+    def script(engine, rid, ids):
+        k = results_so_far(engine, ids)
+        if k == 0 and not first:  # the AEPO short generation
+            first.append(rid)
+            return Step("warm up", entropy=0.0, finish="length")
+        if k < 2:
+            return Step(f"<python>{k}</python>", entropy=1.0)
+        return Step("<answer>a</answer>", entropy=1.0, finish="eos")
+
+    eng = ScriptedEngine(tok, script)
+    s = RolloutSettings(n=3, initial_rollouts=3, beam_size=2, branch_probability=0.5,
+                        entropy_weight=0.2, branch_penalty=0.25, beta=5.0)
+    rng = ScriptedRng([0.0, 0.0, 0.0, 0.6])
+    batch = rollout(prompts(tok, 1), eng, FakeTools(), s, strategy="aepo", rng=rng)
+    # H_root = 0, H_tool = 1: m = int(3 * sigmoid(-5)) + 1 = 1
+    assert batch.premonitor[0].initial_rollouts == 1
+    assert batch.branch_events == [] and rng.i == 4
+    assert len(batch.trajectories) == 3
+    assert all(t.parent_id is None for t in batch.trajectories)
+
+
 def test_arpo_branch_probability_is_clipped():
     s = RolloutSettings(branch_probability=0.5, entropy_weight=0.2)
     assert arpo_branch_probability(0.0, s) == 0.5

@@ -281,7 +281,9 @@ def appo_advantage(
 
     with `w = discount^(split(b) - t)` if `appo_discount_credit`, else 1; the mean is over
     the branches whose split is at or after `t` (the branch term covers the shared prefix,
-    split token included) and is 0 when there is none. Branch rows get `A = 0` (their
+    split token included) and is 0 when there is none; a branch with split -1 (it shares
+    only the prompt: the rollout's fallback when a row has no split point) counts in the
+    branch z-scores and credits no token. Branch rows get `A = 0` (their
     tokens only supply reward signal). The original's reward-scale discount multiplied the
     token rewards, whose outcome sits on the last token, so it changed nothing; ours scales
     the credit by distance to the split.
@@ -303,9 +305,9 @@ def appo_advantage(
         if index[row] != index[roots[row]]:
             raise AppoError(f"branch row {row} is not in the prompt group of its initial row "
                             f"{roots[row]}")
-        if not 0 <= splits[row] < width:
+        if not -1 <= splits[row] < width:  # -1: branched at the prompt, shares no token
             raise AppoError(f"branch row {row} has split index {splits[row]} outside the "
-                            f"response [0, {width})")
+                            f"response [-1, {width})")
 
     def zscore(select: Tensor) -> Tensor:
         mean, std, count = _group_stats(scores, index, n_groups, select, unbiased=False)

@@ -68,7 +68,7 @@ def _rollout(args: argparse.Namespace) -> int:
     if cfg.rollout.strategy == "appo":
         from appo.rollout.scoring import hf_score_fn
 
-        score_fn = hf_score_fn(lm.model, settings.sampling.temperature)
+        score_fn = hf_score_fn(lm.model, settings.sampling)
     try:
         batch = rollout([prompt], engine, tools, settings, strategy=cfg.rollout.strategy,
                         rng=random.Random(cfg.rollout.seed), score_fn=score_fn)

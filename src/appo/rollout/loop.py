@@ -53,8 +53,8 @@ class ToolRunner(Protocol):
 class RolloutSettings:
     """Everything the loop and the strategies read, from `rollout.*`, `tools.*`, `data.*`."""
 
-    n: int = 8
-    initial_rollouts: int = 4
+    n: int = 16
+    initial_rollouts: int = 8
     beam_size: int = 2
     branch_probability: float = 0.5
     entropy_weight: float = 0.2
@@ -74,7 +74,10 @@ class RolloutSettings:
     # appo
     appo_gamma: float = 1.0
     future_value_clip: float = 0.2
-    fv_std_tol: float = 1e-4  # below this, FV spread is recompute noise: rank by entropy
+    # appo: a row whose |logp_current - logp_rollout| stay within this is on-policy up to
+    # recompute noise: rank by entropy. None: by the scoring model's dtype
+    # (`appo.rollout.scoring.LR_NOISE_TOL`).
+    lr_noise_tol: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -120,6 +123,7 @@ class RolloutSettings:
             reuse_premonitor=bool(r.reuse_premonitor),
             appo_gamma=float(r.appo_gamma),
             future_value_clip=float(r.future_value_clip),
+            lr_noise_tol=None if r.lr_noise_tol is None else float(r.lr_noise_tol),
             seed=int(r.seed),
         )
         values.update(overrides)

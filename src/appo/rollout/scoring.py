@@ -11,8 +11,14 @@ only; per prompt the top `B = n - initial_rollouts` by BS are branched, filled i
 all eligible tokens by BS with ties broken by entropy.
 
 Zero-variance FV (on-policy: the scorer and the engine are the same model, so `lr` is only
-float noise): a row whose FV spread is below `fv_std_tol` gets `z(FV) = 0`, so BS is 0 and
-the ranking degrades to entropy, never to NaN or to ranking by recompute noise.
+float noise): a row whose log-ratios all lie within `lr_noise_tol` of 0 has FV = 1 up to
+noise, so it gets `z(FV) = 0`: BS is 0 and the ranking degrades to entropy, never to NaN
+or to ranking by recompute noise. The test is on `lr`, not on FV's spread, because FV sums
+`lr` over the rest of the row: its noise grows with the response length, while each `lr`'s
+noise is bounded by the precision. `rollout.lr_noise_tol` (None) defaults to
+`LR_NOISE_TOL` of the scoring model's dtype, well above the largest on-policy `|lr|`
+measured in that dtype (`benchmarks/RESULTS.md`); an optimizer step moves some tokens'
+log-probs by far more.
 
 Eligibility, beyond the SPEC's rule: the last token of a model segment is never a split
 point (a continuation after a stop tag, EOS or the length limit has nothing to sample), and
@@ -30,9 +36,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from appo.errors import AppoError
 from appo.rollout.records import Trajectory
+from appo.rollout.sampling import SamplingParams, sampling_log_probs
 
 Z_EPS = 1e-6
+# Default lr_noise_tol by the scoring model's dtype (see module docstring). Largest on-policy
+# |lr| measured (SmolLM2-135M, hf engine vs hf_score_fn, 8 rows x <= 160 tokens, plain and
+# eval sampling): float32 3.9e-5, float16 4.9e-2, bfloat16 0.65. In 16 bits the noise is as
+# large as a real policy change, so there FV counts only when a token moved by more.
+LR_NOISE_TOL = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 0.25,
+                torch.bfloat16: 2.0}
+
+
+def default_lr_noise_tol(dtype: torch.dtype | None) -> float:
+    return LR_NOISE_TOL.get(dtype, LR_NOISE_TOL[torch.float32])
 
 
 def zscore(x: Tensor, mask: Tensor) -> Tensor:
@@ -45,8 +63,13 @@ def zscore(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def future_value(lr: Tensor, mask: Tensor, gamma: float, eps: float) -> Tensor:
-    """FV_t (see module docstring), for every position of a 1D row."""
-    x = (lr * mask.to(lr.dtype)).double()
+    """FV_t (see module docstring), for every position of a 1D row.
+
+    Positions outside `mask` (tool results) count 0 whatever their value, and a token the
+    current policy's top-k/top-p excludes (`lr = -inf`) counts as a large finite negative:
+    FV is then 1 - eps where it is covered, as exp(-inf) would give, and no NaN arises."""
+    x = torch.where(mask.bool(), lr.double(), 0.0).nan_to_num(nan=0.0, posinf=1e6,
+                                                                neginf=-1e6)
     acc = torch.zeros((), dtype=torch.float64)
     out = torch.empty_like(x)
     for t in range(x.shape[0] - 1, -1, -1):  # reverse discounted cumulative sum
@@ -70,18 +93,20 @@ def branching_scores(
     mask: Tensor,
     gamma: float = 1.0,
     eps: float = 0.2,
-    fv_std_tol: float = 1e-4,
+    lr_noise_tol: float = 1e-3,
 ) -> BranchScores:
     """z(H), z(FV), BS and FV of one row (1D tensors of equal length)."""
     entropy, logp_current, logp_rollout = (
         t.to(torch.float32) for t in (entropy, logp_current, logp_rollout)
     )
     mask = mask.bool()
-    fv = future_value(logp_current - logp_rollout, mask, gamma, eps)
+    lr = logp_current - logp_rollout
+    fv = future_value(lr, mask, gamma, eps)
     z_h = zscore(entropy, mask)
-    valid = fv[mask]
-    spread = valid.std(unbiased=False) if valid.numel() > 1 else torch.tensor(0.0)
-    z_fv = zscore(fv, mask) if float(spread) >= fv_std_tol else torch.zeros_like(fv)
+    valid = lr[mask]
+    # NaN / inf compare False: a row with an excluded token is never taken as on-policy.
+    on_policy = valid.numel() == 0 or bool((valid.abs() <= lr_noise_tol).all())
+    z_fv = torch.zeros_like(fv) if on_policy else zscore(fv, mask)
     return BranchScores(z_h, z_fv, z_h * z_fv, fv)
 
 
@@ -116,8 +141,13 @@ def plan_branches(
     budget: dict[str, int],
     settings,
     tokenizer,
+    score_dtype: torch.dtype | None = None,
 ) -> list[BranchChoice]:
-    """Choose every prompt's `budget[uid]` split points (see module docstring)."""
+    """Choose every prompt's `budget[uid]` split points (see module docstring).
+    `score_dtype`: the scoring model's dtype, for the default `lr_noise_tol`."""
+    lr_noise_tol = settings.lr_noise_tol
+    if lr_noise_tol is None:
+        lr_noise_tol = default_lr_noise_tol(score_dtype)
     by_uid: dict[str, list[int]] = {}
     for i, traj in enumerate(trajs):
         by_uid.setdefault(traj.uid, []).append(i)
@@ -134,15 +164,19 @@ def plan_branches(
             size = len(traj.response_ids)
             if size == 0:
                 continue
+            current = torch.as_tensor(logp_current[i], dtype=torch.float32).reshape(-1)
+            if current.numel() != size:
+                raise AppoError(f"score_fn returned {current.numel()} log-probs for trajectory "
+                                f"{traj.traj_id}, which has {size} response tokens")
             sampled = torch.tensor(traj.sampled_mask(), dtype=torch.bool)
             scores = branching_scores(
                 torch.tensor(traj.entropy),
-                torch.as_tensor(logp_current[i], dtype=torch.float32).reshape(-1)[:size],
+                current,
                 torch.tensor(traj.logp_rollout),
                 sampled,
                 settings.appo_gamma,
                 settings.future_value_clip,
-                settings.fv_std_tol,
+                lr_noise_tol,
             )
             ends = _segment_last_tokens(traj)
             bs, z_h, z_fv = scores.bs.tolist(), scores.z_h.tolist(), scores.z_fv.tolist()
@@ -178,14 +212,22 @@ def plan_branches(
     return plan
 
 
-def hf_score_fn(model, temperature: float = 1.0) -> Callable[[list[Trajectory]], list[Tensor]]:
+def hf_score_fn(model, sampling: SamplingParams | None = None,
+                chunk: int = 256) -> Callable[[list[Trajectory]], list[Tensor]]:
     """A score_fn from a transformers causal LM: one full forward per trajectory.
 
-    Log-probs are taken at the rollout temperature (as verl's actor does), so an on-policy
-    rollout gives `lr = 0` up to float noise. Top-k/top-p are not applied (nor by verl).
+    Each response token's log-prob is taken under the same sampling transform the engine
+    recorded `logp_rollout` with (repetition penalty over the context so far, temperature,
+    top-k, top-p: `sampling.sampling_log_probs`), so for an on-policy rollout `lr` is 0 up to
+    float noise and FV measures only how the current policy differs from the behaviour
+    one. (verl recomputes at the temperature only; with top-k/top-p that leaves the
+    truncated mass in every `lr`.) Positions are processed `chunk` at a time.
     """
-    scale = temperature if temperature > 0 else 1.0
-    device = next(model.parameters()).device
+    sampling = sampling if sampling is not None else SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise AppoError(f"hf_score_fn takes SamplingParams, got {type(sampling).__name__}")
+    first = next(model.parameters())
+    device = first.device
 
     @torch.inference_mode()
     def score(trajs: list[Trajectory]) -> list[Tensor]:
@@ -195,11 +237,25 @@ def hf_score_fn(model, temperature: float = 1.0) -> Callable[[list[Trajectory]],
             if size == 0:
                 out.append(torch.zeros(0))
                 continue
-            ids = torch.tensor([traj.prompt_ids + traj.response_ids], device=device)
-            logits = model(input_ids=ids, logits_to_keep=size + 1).logits[0, :-1].float()
-            logp = torch.log_softmax(logits / scale, dim=-1)
-            target = torch.tensor(traj.response_ids, device=device)
-            out.append(logp.gather(1, target[:, None]).squeeze(1).cpu())
+            ids = torch.tensor(traj.prompt_ids + traj.response_ids, device=device)
+            logits = model(input_ids=ids[None], logits_to_keep=size + 1).logits[0, :-1]
+            first_seen = None
+            if sampling.repetition_penalty != 1.0:  # where each vocabulary id first occurs
+                first_seen = torch.full((logits.shape[-1],), ids.numel(), device=device)
+                first_seen.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=device),
+                                           "amin")
+            prompt_len = len(traj.prompt_ids)
+            values = []
+            for lo in range(0, size, chunk):
+                hi = min(size, lo + chunk)
+                seen = None
+                if first_seen is not None:  # context of response token i: ids[:prompt_len+i]
+                    context_end = prompt_len + torch.arange(lo, hi, device=device)
+                    seen = first_seen[None, :] < context_end[:, None]
+                logp = sampling_log_probs(logits[lo:hi].float(), sampling, seen)
+                values.append(logp.gather(1, ids[prompt_len + lo : prompt_len + hi, None]))
+            out.append(torch.cat(values).squeeze(1).cpu())
         return out
 
+    score.dtype = first.dtype  # picks the default lr_noise_tol
     return score

@@ -9,9 +9,9 @@
   (the original kept it on the worker and never reset it between batches).
 - `aepo` (AEPO, 2510.14545): arpo plus entropy pre-monitoring (`m` initial rollouts from
   `H_root - H_tool`) and a penalty on consecutive branching rounds: `c` counts the
-  consecutive previous rounds in which the prompt got branch rows (the paper's "consecutive
-  high-entropy tool-call steps"; a fresh restart, which only happens when the prompt has no
-  active row to branch from, is not a branch and does not count).
+  consecutive previous rounds in which the prompt got new rows (SPEC 2 aepo.3: branches,
+  and the fresh row arpo's fill rule starts when the prompt has no active row), reset to 0
+  by a round in which it got none. The initial `m` rows are not counted.
 - `appo` (seeds/appo_readme.md): full initial trajectories, then branches at the top-B
   tokens by Branching Score `z(H) * z(FV)`; branch tokens get `loss_mask=0`.
 
@@ -87,16 +87,17 @@ def _drive(
         for _ in range(initial[p.uid]):
             rows[p.uid].append(loop.start(p))
     while True:
+        new_rows: dict[str, int] = {p.uid: 0 for p in prompts}  # rows each prompt gets
         # Step 5: a prompt with no active rows but fewer than n rows starts one fresh row.
         for p in prompts:
             group = rows[p.uid]
             if all(r.done for r in group) and len(group) < n[p.uid]:
                 group.append(loop.start(p))
+                new_rows[p.uid] += 1
         active = [r for p in prompts for r in rows[p.uid] if not r.done]
         if not active:
             break
         resulted = loop.run_round(active)
-        new_rows: dict[str, int] = {p.uid: 0 for p in prompts}
         if brancher is not None:
             for row in resulted:
                 uid = row.traj.uid
@@ -254,7 +255,8 @@ def rollout_appo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
     if len(current) != len(trajs):
         raise AppoError(f"score_fn returned {len(current)} results for {len(trajs)} trajectories")
     budget = {p.uid: s.n - s.initial for p in prompts}
-    plan = plan_branches(trajs, current, budget, s, engine.tokenizer)
+    plan = plan_branches(trajs, current, budget, s, engine.tokenizer,
+                         score_dtype=getattr(score_fn, "dtype", None))
     branches = []
     for choice in plan:
         parent = initial_rows[choice.row]

@@ -704,7 +704,8 @@ class RLTrainer:
         if hasattr(self.engine, "generator"):  # hf engine: sampling stream per step and rank
             self.engine.generator.manual_seed(step_seed * 1_000_003 + self.dp.rank)
         rng = random.Random(step_seed * 7919 + self.dp.rank)
-        score_fn = hf_score_fn(self.rollout_model) if strategy == "appo" else None
+        score_fn = (hf_score_fn(self.rollout_model, settings.sampling)
+                    if strategy == "appo" else None)
         batch = rollout(mine, self.engine, self.tools, settings, strategy=strategy, rng=rng,
                         score_fn=score_fn)
         return prompts, batch
