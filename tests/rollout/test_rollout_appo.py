@@ -300,3 +300,24 @@ def test_hf_score_fn_reproduces_the_behaviour_log_probs_under_processed_sampling
     assert max(gaps) > 1e-2
     with pytest.raises(AppoError, match="SamplingParams"):
         hf_score_fn(lm.model, 0.7)
+
+
+def test_prompt_only_branches_reach_the_credit_mapping(tok):
+    # Every initial row answers with EOS at once: no token can be a split point, so the
+    # branches fall back to the prompt (split -1). The appo advantages must accept them:
+    # they count in the branch z-scores and credit no token of their parent.
+    from appo.algos.advantages import AdvantageParams
+    from appo.trainer.rl import compute_advantages
+
+    eng = ScriptedEngine(tok, lambda e, r, ids: Step("", finish="eos"))
+    batch = rollout([RolloutPrompt("a", tok.encode("q"))], eng, FakeTools(),
+                    RolloutSettings(n=4, initial_rollouts=2), strategy="appo",
+                    score_fn=lambda ts: [torch.tensor(t.logp_rollout) for t in ts])
+    branches = [t for t in batch.trajectories if t.is_branch]
+    assert len(branches) == 2 and {t.branch_token_index for t in branches} == {-1}
+    for reward, traj in zip([1.0, 0.0, 1.0, 1.0], batch.trajectories, strict=True):
+        traj.reward = reward
+    adv, _ = compute_advantages(batch.trajectories, "appo", AdvantageParams())
+    z = 0.5 / (0.5 + 1e-6)  # initial rows: rewards 1, 0 -> +-z; no branch credit
+    assert [a for a in adv[:2]] == [pytest.approx([z]), pytest.approx([-z])]
+    assert adv[2:] == [[0.0], [0.0]]

@@ -192,6 +192,18 @@ def test_bad_jsonl_is_a_clear_error(tmp_path):
     path.write_text('{"uid": "a"}\nnot json\n')
     with pytest.raises(AppoError, match="bad.jsonl:1"):
         read_jsonl(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(AppoError, match="bad.jsonl:1: .*must be a JSON object, got list"):
+        read_jsonl(path)
+
+
+def test_a_non_finite_reward_is_refused_before_writing(tok, tmp_path):
+    eng = ScriptedEngine(tok, calls_then_answer(0))
+    batch = rollout([prompt(tok)], eng, FakeTools(), settings(n=1, initial_rollouts=1),
+                    strategy="grpo")
+    batch.trajectories[0].reward = float("nan")
+    with pytest.raises(AppoError, match="non-finite value nan"):
+        write_jsonl(batch.trajectories, tmp_path / "t.jsonl")
 
 
 def test_loop_releases_engine_rows(tok):

@@ -9,6 +9,7 @@ decoding them reproduces the transcript) and log-prob exactness against one full
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -70,13 +71,31 @@ def test_strategy_end_to_end_token_in_token_out(lm, strategy):
             assert traj.response_ids[call.result_start : call.result_end] == tok.encode(
                 f" <result>\n{call.result}\n</result>")[: call.result_end - call.result_start]
             assert not any(sampled[call.result_start : call.result_end])
-        # Decoding the ids reproduces the transcript piece by piece.
-        pieces = [tok.decode(traj.prompt_ids)] + [
-            tok.decode(traj.response_ids[seg.start : seg.end]) for seg in traj.segments]
-        assert tok.decode(ids) == "".join(pieces)
+        # Decoding the ids reproduces the transcript: the model's text up to each closing
+        # tag, then the tool's answer exactly as the tool gave it, in the result template.
+        text = tok.decode(traj.response_ids)
+        pos = 0
+        for call in traj.tool_calls:
+            before = tok.decode(traj.response_ids[pos : call.result_start])
+            assert before.endswith("</python>")
+            result = tok.decode(traj.response_ids[call.result_start : call.result_end])
+            if call.result_end < len(traj.response_ids) or not traj.truncated:
+                assert result == f" <result>\n{call.result}\n</result>"
+            pos = call.result_end
+        assert text == "".join(tok.decode(traj.response_ids[seg.start : seg.end])
+                               for seg in traj.segments)
+        assert tok.decode(ids) == tok.decode(traj.prompt_ids) + text
         # Behaviour log-probs equal a full forward over the final ids (temperature 1).
         logp = torch.log_softmax(full_logits(lm.model, ids), dim=-1)
         p0 = len(traj.prompt_ids)
         errs = [abs(float(logp[p0 + i - 1, ids[p0 + i]]) - traj.logp_rollout[i])
                 for i, m in enumerate(sampled) if m]
         assert max(errs) < TOL
+    # What the tools were asked to run is what the trajectories record (branches copy their
+    # parent's calls, so count the calls each row made itself; aepo's pre-monitoring rollout
+    # also called the tools, and is not one of the trajectories).
+    asked = Counter(c.content for batch_ in tools.batches for c in batch_)
+    made = Counter(c.content for t in batch.trajectories for c in t.tool_calls
+                   if c.error_kind != "limit"  # the limit notice runs no tool
+                   and (t.branch_token_index is None or c.result_start > t.branch_token_index))
+    assert made <= asked if strategy == "aepo" else made == asked

@@ -103,6 +103,44 @@ def test_finish_reasons(tok):
     assert outs[2].stop_string == "</search>"
 
 
+def test_a_branch_resuming_mid_segment_stops_at_a_stop_string_across_its_split(tok):
+    """appo branches resume inside a model segment. vLLM only matches stop strings in the
+    text it generates, so `</calc>` begun before the split (`...</ca` | `lc>...`) would run
+    on; the engine cuts the output where the stop string completes, like the hf engine."""
+    assert len(tok.encode("</calc>", add_special_tokens=False)) > 1
+    replies = iter(["<calc>1+1</calc>", "lc> and then more text"])
+
+    def respond(prompt_ids, sp):
+        text = next(replies)
+        ids = tok.encode(text, add_special_tokens=False)
+        stop = "</calc>" if text.endswith("</calc>") else None
+        comp = SimpleNamespace(
+            token_ids=ids, logprobs=[step_logprobs(t, 0.5, {}) for t in ids],
+            finish_reason="stop" if stop else "length", stop_reason=stop, text=text)
+        return SimpleNamespace(outputs=[comp], num_cached_tokens=0)
+
+    eng = VLLMEngine(FakeLLM(respond), tok, stop_strings=["</calc>"],
+                     sampling_params_factory=dict)
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    row = eng.add_row(prompt)
+    [first] = eng.decode([row], [32], SamplingParams())
+    assert first.finish == "stop"
+    # Branch inside the closing tag, after "</ca", continuing the same model segment.
+    head = tok.encode("<calc>1+1</ca", add_special_tokens=False)
+    assert first.token_ids[: len(head)] == head
+    [kid] = eng.fork(row, 1, at=len(prompt) + len(head), segment_start=len(prompt))
+    [out] = eng.decode([kid], [32], SamplingParams())
+    assert (out.finish, out.stop_string) == ("stop", "</calc>")
+    assert tok.decode(out.token_ids) == "lc>"
+    assert len(out.logps) == len(out.entropies) == len(out.token_ids)
+    assert tok.decode(eng.row_ids(kid)).endswith("<calc>1+1</calc>")
+    # After forced tokens a new segment starts: nothing before it can complete a stop.
+    replies = iter(["lc> is not a stop here"])
+    eng.append(kid, tok.encode(" <result>2</result> </ca", add_special_tokens=False))
+    [later] = eng.decode([kid], [32], SamplingParams())
+    assert later.finish == "length" and tok.decode(later.token_ids) == "lc> is not a stop here"
+
+
 def test_entropy_from_top_logprobs():
     # Full distribution given: exact entropy. p = (0.5, 0.25, 0.25): H = 1.5 ln 2
     h, top = entropy_from_top_logprobs([math.log(0.5), math.log(0.25), math.log(0.25)])

@@ -138,6 +138,29 @@ def test_retry_only_on_infra_failure():
         e.close()
 
 
+def test_timeouts_are_retried_only_for_tools_that_ask_for_it():
+    # A program that ran out of time (python) would do so again: run once.
+    slow_code = FlakyTool(name="py", failures=1, kind="timeout")
+    ex = ToolExecutor({"py": slow_code}, retry_count=2)
+    result = ex.execute(ToolCall("py", "x"))
+    assert result.error_kind == "timeout" and slow_code.calls == 1
+    # A search server that did not answer may answer the next time (SearchTool sets it).
+    server = FlakyTool(name="web", failures=1, kind="timeout")
+    server.retry_timeouts = True
+    ex2 = ToolExecutor({"web": server}, retry_count=2)
+    result = ex2.execute(ToolCall("web", "q"))
+    assert result.ok and server.calls == 2 and ex2.stats()["web"].retries == 1
+    for e in (ex, ex2):
+        e.close()
+
+
+def test_search_tool_asks_for_timeout_retries():
+    from appo.tools.python_tool import PythonTool
+    from appo.tools.search_tool import SearchTool
+
+    assert SearchTool.retry_timeouts and not getattr(PythonTool, "retry_timeouts", False)
+
+
 def test_tool_exception_becomes_infra_result_and_is_retried():
     raiser = RaisingTool()
     ex = ToolExecutor({"raiser": raiser}, retry_count=1)

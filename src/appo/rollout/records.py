@@ -117,6 +117,9 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        if not isinstance(data, dict):
+            raise AppoError(f"a trajectory record must be a JSON object, got "
+                            f"{type(data).__name__}")
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k not in TEXT_FIELDS}
         unknown = set(data) - known
@@ -223,7 +226,7 @@ TEXT_FIELDS = ("prompt_text", "response_text")  # derived from the ids, for read
 
 
 def _finite(value: Any) -> Any:
-    # JSON has no NaN/inf; a non-finite log-prob would be a bug upstream, so say so.
+    # JSON has no NaN/inf; a non-finite log-prob or reward is a bug upstream, so say so.
     if isinstance(value, float) and not math.isfinite(value):
         raise AppoError(f"non-finite value {value!r} in a trajectory; refusing to write it")
     return value
@@ -243,6 +246,8 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=
             data = traj.to_dict()
             for key in ("logp_rollout", "entropy"):
                 data[key] = [_finite(float(v)) for v in data[key]]
+            if data["reward"] is not None:
+                data["reward"] = _finite(float(data["reward"]))
             if tokenizer is not None:
                 data["prompt_text"] = tokenizer.decode(traj.prompt_ids)
                 data["response_text"] = tokenizer.decode(traj.response_ids)
@@ -262,6 +267,6 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
                 continue
             try:
                 out.append(Trajectory.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as e:
+            except (json.JSONDecodeError, TypeError, AppoError) as e:
                 raise AppoError(f"{path}:{lineno}: not a trajectory record ({e})") from None
     return out

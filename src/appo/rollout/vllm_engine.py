@@ -18,8 +18,11 @@ Deviations, because vLLM returns only the top-k log-probs of each step:
   remaining mass as one bucket: a lower bound of the full-vocabulary entropy, exact when
   `logprobs=-1` (all tokens, with `max_logprobs=-1`; slow). The top-10 proxy of the original
   (`entropy_measure: seed_topk_sum`) is exact either way.
-- a stop string is matched on the text generated in the call, so an appo branch that resumes
-  mid-segment does not see a stop string straddling its split point.
+- vLLM matches stop strings on the text generated in the call only; an appo branch that
+  resumes mid-segment (`fork(..., segment_start=...)`) may complete a stop string begun
+  before its split point (SmolLM2 writes `</python>` as `</` `python` `>`), so the first
+  tokens of such a row are checked here against its whole segment, and the output is cut
+  at the stop as the `hf` engine would (the tokens vLLM sampled after it are dropped).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from appo.errors import AppoError
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
+from appo.rollout.stops import StopChecker
 
 
 @dataclass
 class _VRow:
     ids: list[int]
+    seg_start: int  # first token of the current model segment (for stop strings)
 
 
 def entropy_from_top_logprobs(logprobs: list[float]) -> tuple[float, float]:
@@ -76,7 +81,9 @@ class VLLMEngine:
     ):
         self.llm = llm
         self.tokenizer = tokenizer
-        self.stop_strings: list[str] = list(stop_strings or [])
+        self.stop_strings: list[str] = []
+        self._stops: StopChecker | None = None
+        self.set_stop_strings(list(stop_strings or []))
         self.seed = seed
         self.logprobs = logprobs
         self._make_params = sampling_params_factory or _default_sampling_params
@@ -115,7 +122,9 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
-        self.stop_strings = list(stop_strings)
+        if list(stop_strings) != self.stop_strings or self._stops is None:
+            self.stop_strings = list(stop_strings)
+            self._stops = StopChecker(self.tokenizer, self.stop_strings, frozenset())
 
     def _get(self, rid: int) -> _VRow:
         try:
@@ -123,10 +132,10 @@ class VLLMEngine:
         except KeyError:
             raise AppoError(f"engine row {rid} does not exist (released?)") from None
 
-    def _new(self, ids: list[int]) -> int:
+    def _new(self, ids: list[int], seg_start: int | None = None) -> int:
         rid = self._next_id
         self._next_id += 1
-        self._rows[rid] = _VRow(list(ids))
+        self._rows[rid] = _VRow(list(ids), len(ids) if seg_start is None else seg_start)
         return rid
 
     def add_row(self, prompt_ids: list[int]) -> int:
@@ -139,15 +148,20 @@ class VLLMEngine:
 
     def fork(self, rid: int, k: int = 1, at: int | None = None,
              segment_start: int | None = None) -> list[int]:
-        ids = self._get(rid).ids
+        row = self._get(rid)
+        ids, seg = row.ids, row.seg_start
         if at is not None:
             if not 1 <= at <= len(ids):
                 raise AppoError(f"fork position {at} outside row of {len(ids)} tokens")
-            ids = ids[:at]
-        return [self._new(ids) for _ in range(k)]
+            ids, seg = ids[:at], min(seg, at)
+        if segment_start is not None:
+            seg = segment_start
+        return [self._new(ids, seg) for _ in range(k)]
 
     def append(self, rid: int, token_ids: list[int]) -> None:
-        self._get(rid).ids.extend(int(t) for t in token_ids)
+        row = self._get(rid)
+        row.ids.extend(int(t) for t in token_ids)
+        row.seg_start = len(row.ids)
 
     def row_ids(self, rid: int) -> list[int]:
         return list(self._get(rid).ids)
@@ -214,5 +228,23 @@ class VLLMEngine:
         self.counters.prefilled += len(row.ids) - cached
         self.counters.reused += cached
         self.counters.decoded += len(ids)
+        cut = self._straddled_stop(row, ids)
+        if cut is not None:
+            keep, stop_string = cut
+            ids, logps, ents, tops = ids[:keep], logps[:keep], ents[:keep], tops[:keep]
+            finish = "stop"
         row.ids.extend(ids)
         return SegmentOutput(ids, logps, ents, finish, stop_string, topk_entropies=tops)
+
+    def _straddled_stop(self, row: _VRow, new: list[int]) -> tuple[int, str] | None:
+        """(tokens to keep, stop string) if one of the first new tokens completes a stop
+        string that began before this call in the row's current segment (see module
+        docstring); None otherwise."""
+        if self._stops is None or row.seg_start >= len(row.ids) or not self.stop_strings:
+            return None
+        before = row.ids[max(row.seg_start, len(row.ids) - self._stops.window) :]
+        for k in range(min(len(new), self._stops.window)):
+            hit = self._stops.check(before + new[: k + 1])
+            if hit is not None:
+                return k + 1, hit
+        return None

@@ -3,7 +3,9 @@
 The original (ARPO) ran tool calls in a thread pool and retried any call whose output was
 empty, three times: a program that printed nothing was run four times. Here a call is retried
 only when the tool reports an infrastructure failure (`error_kind="infra"`: a dead worker,
-HTTP 5xx, a refused connection) or raises; whatever the model wrote is run once.
+HTTP 5xx, a refused connection) or raises; whatever the model wrote is run once. A timeout is
+retried only for tools that declare `retry_timeouts = True` (search: a server that did not
+answer may answer the next time); a program that ran out of time would do so again.
 """
 
 from __future__ import annotations
@@ -144,15 +146,18 @@ class ToolExecutor:
         return result
 
     def _attempts(self, tool: Tool, content: str) -> tuple[ToolResult, int]:
+        retried = {"infra", "timeout"} if getattr(tool, "retry_timeouts", False) else {"infra"}
         result = ToolResult("", ok=False, error_kind="infra")
         for attempt in range(self.retry_count + 1):
             if attempt:
                 time.sleep(min(0.05 * 2**attempt, 2.0))
             result = self._attempt(tool, content)
-            if result.error_kind != "infra":
+            if result.error_kind not in retried:
                 return result, attempt
-            log.warning("tool %s infrastructure failure (attempt %d/%d): %s", tool.name,
-                        attempt + 1, self.retry_count + 1, result.text[:200])
+            log.warning("tool %s %s (attempt %d/%d): %s", tool.name,
+                        "timed out" if result.error_kind == "timeout" else
+                        "infrastructure failure", attempt + 1, self.retry_count + 1,
+                        result.text[:200])
         return result, self.retry_count
 
     def _attempt(self, tool: Tool, content: str) -> ToolResult:

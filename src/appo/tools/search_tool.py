@@ -28,6 +28,7 @@ MISS_POLICIES = ("live", "fail")
 
 class SearchTool:
     enforces_timeout = True  # backends use network timeouts; bm25 and the cache are local
+    retry_timeouts = True  # a server that did not answer in time may answer a retry
 
     def __init__(
         self,
