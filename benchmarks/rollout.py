@@ -45,15 +45,9 @@ from time import process_time as clock
 
 import torch
 
+from appo.rollout.matmul_plan import cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def tune_decode(lm, max_rows: int) -> dict[int, str]:
@@ -68,7 +62,7 @@ def load_average() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-MACHINE = f"{cpu_name()}, 2 cores, 24 GiB, torch {torch.__version__}"
+MACHINE = f"{cpu_model()}, 2 cores, 24 GiB, torch {torch.__version__}"
 QUESTIONS = [
     "What is 17*23?", "Name three colors.", "Explain gravity briefly.",
     "Write a haiku about rain.", "What is the capital of France?", "Count from 1 to 10.",

@@ -186,6 +186,23 @@ def test_aepo_premonitor_sets_m(tok):
     assert batch.stats.premonitor_trajectories == 1
 
 
+def aepo_script(calls, entropy):
+    """The AEPO short generation first (entropy 0: H_root = 0), then every row: `calls` tool
+    calls (segment k has entropy entropy(k)) and an answer."""
+    short_done = []
+
+    def script(engine, rid, ids):
+        k = results_so_far(engine, ids)
+        if k == 0 and not short_done:
+            short_done.append(rid)
+            return Step("warm up", entropy=0.0, finish="length")
+        if k < calls:
+            return Step(f"<python>{k}</python>", entropy=entropy(k))
+        return Step("<answer>a</answer>", entropy=entropy(k), finish="eos")
+
+    return script
+
+
 def test_aepo_consecutive_branch_penalty_matches_hand_computation(tok):
     """One prompt, m = 1, n = 4, beam 2; every row makes 4 tool calls, segment k has
     entropy 1 + k; branch_probability 0.5, entropy_weight 0.2, branch_penalty 0.25.
@@ -200,19 +217,7 @@ def test_aepo_consecutive_branch_penalty_matches_hand_computation(tok):
     round 4: R0 delta 3, c 0: p = (0.0+0.6)*1 = 0.6        -> branch C3 (n reached)
              (with the penalty not reset, p = 0.6 * 0.25 = 0.15 and no branch)
     """
-    calls = 4
-    first_segments = []
-
-    def script(engine, rid, ids):
-        k = results_so_far(engine, ids)
-        if k == 0 and not first_segments:  # the AEPO short generation
-            first_segments.append(rid)
-            return Step("warm up", entropy=0.0, finish="length")
-        if k < calls:
-            return Step(f"<python>{k}</python>", entropy=1.0 + k)
-        return Step("<answer>a</answer>", entropy=1.0 + k, finish="eos")
-
-    eng = ScriptedEngine(tok, script)
+    eng = ScriptedEngine(tok, aepo_script(4, lambda k: 1.0 + k))
     s = RolloutSettings(n=4, initial_rollouts=4, beam_size=2, branch_probability=0.5,
                         entropy_weight=0.2, branch_penalty=0.25, beta=5.0, call_limit=10)
     rng = ScriptedRng([0.6, 0.5, 0.6, 0.1, 0.2, 0.3, 0.0, 0.99])
@@ -238,18 +243,7 @@ def test_aepo_a_fresh_row_counts_as_a_new_row_for_the_penalty(tok):
     round 6: F1 answers. round 7: fresh F2 fills the budget: no more decisions.
     So the budget is filled by fresh rows only, after 4 draws.
     """
-    first = []
-
-    def script(engine, rid, ids):
-        k = results_so_far(engine, ids)
-        if k == 0 and not first:  # the AEPO short generation
-            first.append(rid)
-            return Step("warm up", entropy=0.0, finish="length")
-        if k < 2:
-            return Step(f"<python>{k}</python>", entropy=1.0)
-        return Step("<answer>a</answer>", entropy=1.0, finish="eos")
-
-    eng = ScriptedEngine(tok, script)
+    eng = ScriptedEngine(tok, aepo_script(2, lambda k: 1.0))
     s = RolloutSettings(n=3, initial_rollouts=3, beam_size=2, branch_probability=0.5,
                         entropy_weight=0.2, branch_penalty=0.25, beta=5.0)
     rng = ScriptedRng([0.0, 0.0, 0.0, 0.6])

@@ -1,6 +1,7 @@
 """`appo rollout`: run one rollout strategy on a question and print the trajectory tree.
 
-    appo rollout --model smollm2-135m --strategy arpo rollout.n=8 "What is 17*23?"
+    appo rollout --model smollm2-135m --strategy arpo rollout.n=8 rollout.initial_rollouts=4 \
+        "What is 17*23?"
 
 Import-light: torch, transformers and the tools load inside the handler.
 """

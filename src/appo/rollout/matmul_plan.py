@@ -115,7 +115,8 @@ def bucket_of(rows: int) -> int | None:
 
 # ---------------------------------------------------------------- where choices are kept
 @functools.cache
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), or what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -127,7 +128,7 @@ def _cpu_model() -> str:
 
 def machine_signature() -> dict:
     """What a measured choice depends on besides the weights: CPU, threads, libraries."""
-    sig = {"cpu": _cpu_model(), "machine": platform.machine(),
+    sig = {"cpu": cpu_model(), "machine": platform.machine(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "numba": None}
     if cpu_kernels.numba is not None:
         from llvmlite import binding
