@@ -292,7 +292,7 @@ class DecodeMatmulPlan:
         """Measure now every bucket the given row counts fall in (e.g. before a benchmark)."""
         for r in rows:
             self.implementation(r)
-        return dict(self.choices())
+        return dict(sorted(self.choices().items()))
 
     def _tune(self, bucket: int) -> str:
         best: dict[str, float] = {}
