@@ -42,7 +42,7 @@ from torch import Tensor
 from appo.errors import AppoError
 from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
-from appo.rollout.engine import SegmentOutput
+from appo.rollout.engine import SegmentOutput, fork_point
 from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import SamplingParams, sample
@@ -254,16 +254,10 @@ class HFEngine:
              segment_start: int | None = None) -> list[int]:
         """`k` copies of a row sharing its cache; `at` truncates the copies to `at` tokens."""
         row = self._get(rid)
-        ids, kv, seg = row.ids, row.kv, row.seg_start
-        if at is not None:
-            if not 1 <= at <= len(ids):
-                raise AppoError(f"fork position {at} outside row of {len(ids)} tokens")
-            ids = ids[:at]
-            if kv is not None and kv.length > at - 1:
-                kv = kv.prefix(at - 1)  # the last kept token stays pending
-            seg = min(seg, at) if segment_start is None else segment_start
-        elif segment_start is not None:
-            seg = segment_start
+        ids, seg = fork_point(row.ids, row.seg_start, at, segment_start)
+        kv = row.kv
+        if kv is not None and kv.length > len(ids) - 1:
+            kv = kv.prefix(len(ids) - 1)  # the last kept token stays pending
         return [self._new(_Row(list(ids), kv, seg)) for _ in range(k)]
 
     def append(self, rid: int, token_ids: list[int]) -> None:

@@ -99,9 +99,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "torch": Implementation("torch", F.linear, head_in_blocks),
     "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
                                          head_in_blocks),
-    "numba": Implementation("numba", _NUMBA, lambda x, w: _NUMBA(x, w), kernel=True),
-    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, lambda x, w: _NUMBA_WIDE(x, w),
-                                 kernel=True, wide=True),
+    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True),
+    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True,
+                                 wide=True),
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
 

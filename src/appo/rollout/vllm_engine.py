@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appo.errors import AppoError
-from appo.rollout.engine import SegmentOutput
+from appo.rollout.engine import SegmentOutput, fork_point
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 from appo.rollout.stops import StopChecker
@@ -81,9 +81,8 @@ class VLLMEngine:
     ):
         self.llm = llm
         self.tokenizer = tokenizer
-        self.stop_strings: list[str] = []
-        self._stops: StopChecker | None = None
-        self.set_stop_strings(list(stop_strings or []))
+        self.stop_strings: list[str] = list(stop_strings or [])
+        self._stops = StopChecker(tokenizer, self.stop_strings, frozenset())
         self.seed = seed
         self.logprobs = logprobs
         self._make_params = sampling_params_factory or _default_sampling_params
@@ -122,7 +121,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
-        if list(stop_strings) != self.stop_strings or self._stops is None:
+        if list(stop_strings) != self.stop_strings:
             self.stop_strings = list(stop_strings)
             self._stops = StopChecker(self.tokenizer, self.stop_strings, frozenset())
 
@@ -149,13 +148,7 @@ class VLLMEngine:
     def fork(self, rid: int, k: int = 1, at: int | None = None,
              segment_start: int | None = None) -> list[int]:
         row = self._get(rid)
-        ids, seg = row.ids, row.seg_start
-        if at is not None:
-            if not 1 <= at <= len(ids):
-                raise AppoError(f"fork position {at} outside row of {len(ids)} tokens")
-            ids, seg = ids[:at], min(seg, at)
-        if segment_start is not None:
-            seg = segment_start
+        ids, seg = fork_point(row.ids, row.seg_start, at, segment_start)
         return [self._new(ids, seg) for _ in range(k)]
 
     def append(self, rid: int, token_ids: list[int]) -> None:
@@ -240,7 +233,7 @@ class VLLMEngine:
         """(tokens to keep, stop string) if one of the first new tokens completes a stop
         string that began before this call in the row's current segment (see module
         docstring); None otherwise."""
-        if self._stops is None or row.seg_start >= len(row.ids) or not self.stop_strings:
+        if row.seg_start >= len(row.ids):  # the segment starts in this call: vLLM's own
             return None
         before = row.ids[max(row.seg_start, len(row.ids) - self._stops.window) :]
         for k in range(min(len(new), self._stops.window)):
