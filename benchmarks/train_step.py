@@ -3,7 +3,7 @@
 Two parts, each in its own child process (so each framework's peak RSS is its own), in one
 script run:
 
-(1) appo, 16 trajectories of up to 256 tokens: `appo.trainer.rl.RLTrainer.train_step` with
+(1) appo, 16 trajectories of up to 256 tokens: `appo.trainer.loop.RLTrainer.train_step` with
     arpo (n=8, 4 initial), the python tool, 2 prompts of `synth:arith` per step; seconds per
     step split by phase (rollout / reward / advantage / update), rollout and training
     tokens/s, peak RSS. Median over the timed steps after a warm-up step.
@@ -92,7 +92,7 @@ def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: 
 def worker_appo(args) -> dict:
     import torch
 
-    from appo.trainer.rl import RLTrainer
+    from appo.trainer.loop import RLTrainer
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:

@@ -96,7 +96,7 @@ def test_rollout_defaults_follow_the_spec_and_noise_tolerance_reaches_the_settin
     from appo.rollout import RolloutSettings
 
     cfg = load_config()
-    assert (cfg.rollout.n, cfg.rollout.initial_rollouts) == (16, 8)  # SPEC 2 arpo
+    assert (cfg.rollout.n, cfg.rollout.initial_rollouts) == (16, 8)  # docs/algorithms.md §2.2
     assert RolloutSettings.from_config(cfg).lr_noise_tol is None  # by the scorer's dtype
     cfg = load_config(overrides=["rollout.lr_noise_tol=0.05"])
     assert RolloutSettings.from_config(cfg).lr_noise_tol == 0.05

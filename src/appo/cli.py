@@ -34,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and (name == e.name or name.startswith(e.name + ".")):
-                continue  # area not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

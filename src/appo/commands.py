@@ -1,4 +1,4 @@
-"""Core sub-commands: `appo config show`, `appo models`, `appo generate`, `appo demo`.
+"""Core sub-commands: `appo config show`, `appo models`, `appo generate`.
 
 Also the shared argparse helpers other areas use for `[--config FILE] [key=value ...]`.
 Heavy imports happen inside handlers only.
@@ -7,7 +7,6 @@ Heavy imports happen inside handlers only.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -94,26 +93,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("appo.trainer.demo") is not None:
-        from appo.trainer.demo import run_demo
-
-        return run_demo(args)
-    print(
-        "appo demo: the full SFT -> RL demo is not built yet; running `appo generate` on the "
-        "embedded SmolLM2-135M instead.",
-        file=sys.stderr,
-    )
-    ns = argparse.Namespace(
-        prompt=["What is 17*23?"], model="smollm2-135m", dtype="float32", device="auto",
-        system=None, max_new_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-    )
-    print("Q: What is 17*23?")
-    return _generate(ns)
-
-
 def register(sub) -> None:
     p = sub.add_parser("config", help="show the resolved configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -137,9 +116,3 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     p.set_defaults(handler=_generate)
-
-    p = sub.add_parser("demo", help="the main job on the embedded model (make demo)")
-    add_config_args(p)
-    p.add_argument("--print-config", action="store_true",
-                   help="print the demo's config (configs/demo.yaml) and exit")
-    p.set_defaults(handler=_demo)

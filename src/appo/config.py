@@ -60,7 +60,7 @@ class DataConfig:
 class RolloutConfig:
     name: str = "hf"
     strategy: str = "arpo"
-    n: int = 16  # SPEC 2 / the ARPO paper; the CPU demo uses 8 (configs/demo.yaml)
+    n: int = 16  # the ARPO paper (docs/algorithms.md §2.2); the CPU demo uses 8
     initial_rollouts: int = 8
     beam_size: int = 2
     branch_probability: float = 0.5
@@ -208,7 +208,7 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    # The original evaluation's sampling defaults (SPEC section 8).
+    # The original evaluation's sampling defaults (docs/algorithms.md §8.1).
     k: int = 1
     temperature: float = 0.6
     top_p: float = 0.95

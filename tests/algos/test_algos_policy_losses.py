@@ -161,7 +161,7 @@ def test_future_kl_hand_computed():
 
 
 def naive_future_kl_loss(logp, old, adv, mask, p: PolicyLossParams) -> float:
-    """Token-mean future-KL loss with plain Python loops (SPEC 4)."""
+    """Token-mean future-KL loss with plain Python loops (docs/algorithms.md §4.3)."""
     g = 2.0 ** (-1.0 / p.future_kl_decay_rate)
     lo = 1.0 if p.future_kl_clip_high_only else 2.0 - p.future_kl_clip_high
     total, count = 0.0, 0

@@ -307,7 +307,7 @@ def test_prompt_only_branches_reach_the_credit_mapping(tok):
     # branches fall back to the prompt (split -1). The appo advantages must accept them:
     # they count in the branch z-scores and credit no token of their parent.
     from appo.algos.advantages import AdvantageParams
-    from appo.trainer.rl import compute_advantages
+    from appo.trainer.batch import TrainBatch, compute_advantages
 
     eng = ScriptedEngine(tok, lambda e, r, ids: Step("", finish="eos"))
     batch = rollout([RolloutPrompt("a", tok.encode("q"))], eng, FakeTools(),
@@ -317,7 +317,10 @@ def test_prompt_only_branches_reach_the_credit_mapping(tok):
     assert len(branches) == 2 and {t.branch_token_index for t in branches} == {-1}
     for reward, traj in zip([1.0, 0.0, 1.0, 1.0], batch.trajectories, strict=True):
         traj.reward = reward
-    adv, _ = compute_advantages(batch.trajectories, "appo", AdvantageParams())
+    train, _ = compute_advantages(TrainBatch.collate(batch.trajectories, 0), "appo",
+                                  AdvantageParams())
+    adv = [train.advantages[i, : len(t.response_ids)].tolist()
+           for i, t in enumerate(batch.trajectories)]
     z = 0.5 / (0.5 + 1e-6)  # initial rows: rewards 1, 0 -> +-z; no branch credit
     assert [a for a in adv[:2]] == [pytest.approx([z]), pytest.approx([-z])]
     assert adv[2:] == [[0.0], [0.0]]

@@ -1,4 +1,4 @@
-"""The tool loop (SPEC 1) with a scripted engine: calls, results, limits, budgets, records."""
+"""The tool loop (docs/algorithms.md §1) with a scripted engine: calls, results, limits, budgets, records."""
 
 from __future__ import annotations
 

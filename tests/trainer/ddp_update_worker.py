@@ -11,9 +11,11 @@ import torch
 sys.path.insert(0, sys.argv[2])  # the tests/trainer directory, for the shared fixed batch
 from test_trainer_rl import _fixed_rows  # noqa: E402
 
+from appo.config import ActorConfig  # noqa: E402
 from appo.models import load_model  # noqa: E402
+from appo.trainer.distributed import DataParallel  # noqa: E402
 from appo.trainer.fsdp import full_model_state, shard_model  # noqa: E402
-from appo.trainer.rl import DataParallel, UpdateSettings, update_policy  # noqa: E402
+from appo.trainer.update import update_policy  # noqa: E402
 
 mode = sys.argv[3] if len(sys.argv) > 3 else "ddp"
 dp = DataParallel.from_env()
@@ -23,12 +25,12 @@ rows = _fixed_rows(lm.tokenizer, n=8)  # uids u0..u3
 # Rank 0's rows are shorter: under the 64-token budget it gets 3 micro-batches and rank 1
 # gets 4, so FSDP's idle pass (keeping the ranks' collectives in step) runs.
 mine = [i for i, u in enumerate(rows.uids) if int(u[1:]) % dp.world == dp.rank]
-settings = UpdateSettings(ppo_mini_batch_size=4, max_token_len=64)
+actor = ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64)
 if mode == "fsdp":
     shard_model(lm.model, dp.world)
-    settings.lockstep, settings.share_prefix = True, False
 opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
-metrics = update_policy(lm.model, opt, rows.subset(mine), settings, lm.tokenizer.pad_token_id, dp)
+metrics = update_policy(lm.model, opt, rows.select(mine), actor, max_response_length=384, dp=dp,
+                        fsdp=mode == "fsdp")
 params = ([v for v in full_model_state(lm.model).values()] if mode == "fsdp"
           else [p.detach() for p in lm.model.parameters()])
 names = (list(full_model_state(lm.model)) if mode == "fsdp"

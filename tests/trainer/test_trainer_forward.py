@@ -7,11 +7,12 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from appo.models import load_model
-from appo.prefix import common_prefix_length
+from appo.trainer.batch import pad_right
 from appo.trainer.forward import (
     computed_tokens,
     final_hidden_states,
     plan_shared_microbatches,
+    shared_prefix_length,
 )
 
 
@@ -31,9 +32,15 @@ def _rows(prompt_len: int, suffixes: tuple[int, ...], seed: int = 0) -> list[lis
     return [prompt + torch.randint(5, 250, (k,), generator=g).tolist() for k in suffixes]
 
 
+def _t(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids `[B, T]` (padding -1: never a real token) and lengths `[B]`."""
+    return pad_right(rows, -1, torch.long), torch.tensor([len(r) for r in rows])
+
+
 def _hidden_and_grads(model, rows, share):
     model.zero_grad(set_to_none=True)
-    h = final_hidden_states(model, rows, 0, share_prefix=share)
+    ids, lengths = _t(rows)
+    h = final_hidden_states(model, ids.clamp(min=0), lengths, share_prefix=share)
     # Row weights differ so a wrong sum over rows of the shared prefix's gradient shows.
     loss = sum((h[i, : len(r)] ** 2).sum() * (i + 1) for i, r in enumerate(rows))
     loss.backward()
@@ -59,17 +66,17 @@ def test_shared_prefix_forward_equals_plain_forward(f64_norm, suffixes):
 def test_identical_rows_still_have_a_suffix_token():
     # Identical rows: the shared part stops one token short so each row keeps a suffix.
     rows = [list(range(30))] * 3
-    assert common_prefix_length(rows) == 30
-    assert computed_tokens(rows) == 29 + 3 * 1
+    assert shared_prefix_length(*_t(rows)) == 29
+    assert computed_tokens(*_t(rows)) == 29 + 3 * 1
 
 
 def test_computed_tokens_hand_counts():
     rows = _rows(40, (3, 9, 1))  # lengths 43, 49, 41; shared prefix 40
-    assert computed_tokens(rows) == 40 + 3 * 9
-    assert computed_tokens(rows, share_prefix=False) == 3 * 49
+    assert computed_tokens(*_t(rows)) == 40 + 3 * 9
+    assert computed_tokens(*_t(rows), share_prefix=False) == 3 * 49
     # Prefix below the minimum worth sharing: plain cost.
     short = _rows(4, (3, 9))
-    assert computed_tokens(short) == 2 * 13
+    assert computed_tokens(*_t(short)) == 2 * 13
 
 
 def test_plan_groups_rows_and_respects_the_budget():
@@ -77,14 +84,14 @@ def test_plan_groups_rows_and_respects_the_budget():
     b = _rows(50, (2, 2), seed=2)
     rows = [a[0], b[0], a[1], a[2], b[1], a[3]]
     groups = ["a", "b", "a", "a", "b", "a"]
-    plan = plan_shared_microbatches(rows, 100, groups)
+    plan = plan_shared_microbatches(*_t(rows), 100, groups)
     # Group a first (first appearance), by length: 41, 43, 49, 54 -> cost 40 + 4*14 = 96.
     assert plan.batches == [[3, 0, 2, 5], [1, 4]]
     assert plan.padded_tokens == (40 + 4 * 14) + (50 + 2 * 2)
     assert plan.real_tokens == (40 + 1 + 3 + 9 + 14) + (50 + 2 + 2)
     assert plan.rows_tokens == sum(len(r) for r in rows)
-    tight = plan_shared_microbatches(rows, 60, groups)
+    tight = plan_shared_microbatches(*_t(rows), 60, groups)
     for batch in tight.batches:
         sub = [rows[i] for i in batch]
-        assert len(batch) == 1 or computed_tokens(sub) <= 60
+        assert len(batch) == 1 or computed_tokens(*_t(sub)) <= 60
     assert sorted(i for bt in tight.batches for i in bt) == list(range(6))

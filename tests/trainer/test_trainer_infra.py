@@ -1,15 +1,13 @@
-"""Token-budget micro-batching, checkpoints and metrics sinks."""
+"""Padding, checkpoints and metrics sinks."""
 
 from __future__ import annotations
 
 import json
-import random
 
-import pytest
 import torch
 
 from appo.models import load_model
-from appo.trainer.batching import pad_right, plan_microbatches
+from appo.trainer.batch import pad_right
 from appo.trainer.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -17,28 +15,6 @@ from appo.trainer.checkpoint import (
     set_rng_state,
 )
 from appo.trainer.metrics import MetricsLogger, plot_metrics, read_metrics
-
-
-def test_plan_hand_example():
-    # lengths 10, 3, 5, 4 with budget 12: sorted 3,4,5,10 -> [3,4] (2*4=8), adding 5 gives
-    # 3*5=15 > 12 -> close; [5] then 10 -> 2*10=20 > 12 -> [5], [10].
-    plan = plan_microbatches([10, 3, 5, 4], 12)
-    assert plan.batches == [[1, 3], [2], [0]]
-    assert plan.real_tokens == 22 and plan.padded_tokens == 8 + 5 + 10
-    assert plan.padding_fraction == pytest.approx(1 - 22 / 23)
-
-
-def test_plan_covers_every_row_once_and_respects_budget():
-    rng = random.Random(0)
-    lengths = [rng.randint(20, 300) for _ in range(200)]
-    plan = plan_microbatches(lengths, 2048)
-    seen = sorted(i for b in plan.batches for i in b)
-    assert seen == list(range(200))
-    for b in plan.batches:
-        assert len(b) * max(lengths[i] for i in b) <= 2048
-    assert plan.padding_fraction < 0.2  # length sorting keeps padding small
-    # A row over budget still gets computed, alone.
-    assert plan_microbatches([5000, 10], 1000).batches == [[1], [0]]
 
 
 def test_pad_right():

@@ -8,15 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from appo.config import load_config
+from appo.config import ActorConfig, load_config
 from appo.models import load_model
-from appo.trainer.rl import (
-    PolicyRows,
-    RLTrainer,
-    UpdateSettings,
-    compute_advantages,
-    update_policy,
-)
+from appo.trainer.batch import TrainBatch, compute_advantages, pad_right
+from appo.trainer.loop import RLTrainer
+from appo.trainer.update import update_policy
 
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -133,8 +129,18 @@ def test_resume_equals_uninterrupted(toy, tmp_path):
         assert torch.equal(pa, pb)
 
 
-def _fixed_rows(tok, n=6):
-    rows = PolicyRows([], [], [], [], [])
+def _batch(input_ids, prompt_lens, loss_mask, advantages, uids, pad_id) -> TrainBatch:
+    n = len(input_ids)
+    return TrainBatch(
+        uids=list(uids), traj_ids=[f"t{i}" for i in range(n)], parent_ids=[None] * n,
+        splits=[None] * n, input_ids=pad_right(input_ids, pad_id, torch.long),
+        lengths=torch.tensor([len(r) for r in input_ids]), prompt_lens=torch.tensor(prompt_lens),
+        loss_mask=pad_right(loss_mask, 0, torch.float32), rewards=torch.zeros(n),
+        advantages=pad_right(advantages, 0, torch.float32))
+
+
+def _fixed_lists(tok, n=6) -> dict[str, list]:
+    rows = {"input_ids": [], "prompt_lens": [], "loss_mask": [], "advantages": [], "uids": []}
     g = torch.Generator().manual_seed(0)
     for i in range(n):
         prompt = tok.encode(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n")
@@ -142,12 +148,16 @@ def _fixed_rows(tok, n=6):
         mask = [1] * len(resp)
         if i % 2:
             mask[1:3] = [0, 0]  # a forced tool-result span
-        rows.input_ids.append(prompt + resp)
-        rows.prompt_lens.append(len(prompt))
-        rows.loss_mask.append(mask)
-        rows.advantages.append([1.0 if i % 3 else -0.5] * len(resp))
-        rows.uids.append(f"u{i // 2}")
+        rows["input_ids"].append(prompt + resp)
+        rows["prompt_lens"].append(len(prompt))
+        rows["loss_mask"].append(mask)
+        rows["advantages"].append([1.0 if i % 3 else -0.5] * len(resp))
+        rows["uids"].append(f"u{i // 2}")
     return rows
+
+
+def _fixed_rows(tok, n=6) -> TrainBatch:
+    return _batch(**_fixed_lists(tok, n), pad_id=tok.pad_token_id)
 
 
 def test_token_budget_does_not_change_the_update():
@@ -157,8 +167,8 @@ def test_token_budget_does_not_change_the_update():
     results = []
     for lm, budget in ((lm_a, 100_000), (lm_b, 64)):
         opt = torch.optim.SGD(lm.model.parameters(), lr=0.1)
-        s = UpdateSettings(ppo_mini_batch_size=16, max_token_len=budget)
-        results.append(update_policy(lm.model, opt, rows, s, lm.tokenizer.pad_token_id))
+        actor = ActorConfig(ppo_mini_batch_size=16, ppo_max_token_len_per_device=budget)
+        results.append(update_policy(lm.model, opt, rows, actor, max_response_length=384))
     assert results[1]["actor/padding_frac"] <= results[0]["actor/padding_frac"] + 1e-9
     assert results[0]["actor/grad_norm"] == pytest.approx(results[1]["actor/grad_norm"], rel=1e-5)
     for pa, pb in zip(lm_a.model.parameters(), lm_b.model.parameters(), strict=True):
@@ -167,18 +177,19 @@ def test_token_budget_does_not_change_the_update():
 
 def test_rows_without_trainable_tokens_never_enter_the_loss():
     lm_a, lm_b = load_model("tiny-test"), load_model("tiny-test")
-    rows = _fixed_rows(lm_a.tokenizer)
-    with_branch = _fixed_rows(lm_a.tokenizer)
+    pad = lm_a.tokenizer.pad_token_id
+    rows = _fixed_lists(lm_a.tokenizer)
+    with_branch = _fixed_lists(lm_a.tokenizer)
     # An APPO branch row: all loss_mask 0, huge advantage that would dominate if it leaked.
-    with_branch.input_ids.append(rows.input_ids[0] + [5, 6, 7])
-    with_branch.prompt_lens.append(rows.prompt_lens[0])
-    with_branch.loss_mask.append([0] * (len(rows.loss_mask[0]) + 3))
-    with_branch.advantages.append([100.0] * (len(rows.loss_mask[0]) + 3))
-    with_branch.uids.append("u0")
-    s = UpdateSettings(ppo_mini_batch_size=16, loss_agg_mode="seq-mean-token-mean")
+    with_branch["input_ids"].append(rows["input_ids"][0] + [5, 6, 7])
+    with_branch["prompt_lens"].append(rows["prompt_lens"][0])
+    with_branch["loss_mask"].append([0] * (len(rows["loss_mask"][0]) + 3))
+    with_branch["advantages"].append([100.0] * (len(rows["loss_mask"][0]) + 3))
+    with_branch["uids"].append("u0")
+    actor = ActorConfig(ppo_mini_batch_size=16, loss_agg_mode="seq-mean-token-mean")
     for lm, r in ((lm_a, rows), (lm_b, with_branch)):
-        update_policy(lm.model, torch.optim.SGD(lm.model.parameters(), lr=0.1), r, s,
-                      lm.tokenizer.pad_token_id)
+        update_policy(lm.model, torch.optim.SGD(lm.model.parameters(), lr=0.1),
+                      _batch(**r, pad_id=pad), actor, max_response_length=384)
     for pa, pb in zip(lm_a.model.parameters(), lm_b.model.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-7)
 
@@ -195,7 +206,8 @@ def test_grpo_advantages_from_trajectories():
 
     trajs = [traj("a", "a0", 1.0, [1, 0, 1]), traj("a", "a1", 0.0, [1, 1]),
              traj("b", "b0", 0.5, [1])]
-    adv, _ = compute_advantages(trajs, "grpo", AdvantageParams())
+    batch, _ = compute_advantages(TrainBatch.collate(trajs, 0), "grpo", AdvantageParams())
+    adv = [batch.advantages[i, : len(t.response_ids)].tolist() for i, t in enumerate(trajs)]
     # group a: mean 0.5, unbiased std sqrt(0.5) -> +-0.7071; masked tokens get 0;
     # group b has one member: mean 0, std 1 -> 0.5 / (1 + 1e-6).
     assert adv[0] == pytest.approx([0.70710, 0.0, 0.70710], abs=1e-4)
@@ -225,9 +237,9 @@ def test_two_process_update_matches_single_process(tmp_path, mode):
     lm = load_model("tiny-test")
     rows = _fixed_rows(lm.tokenizer, n=8)
     opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
-    single = update_policy(lm.model, opt, rows, UpdateSettings(ppo_mini_batch_size=4,
-                                                                max_token_len=64),
-                           lm.tokenizer.pad_token_id)
+    single = update_policy(lm.model, opt, rows, ActorConfig(ppo_mini_batch_size=4,
+                                                             ppo_max_token_len_per_device=64),
+                           max_response_length=384)
     assert dist["metrics"]["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"], rel=1e-5)
     assert dist["metrics"]["actor/pg_loss"] == pytest.approx(single["actor/pg_loss"], abs=1e-6)
     params = dict(lm.model.named_parameters())

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from appo.config import SFTConfig
 from appo.models import load_model
-from appo.trainer.sft import SFTParams, evaluate_loss, masked_token_loss_sum, train_sft
+from appo.trainer.sft import evaluate_loss, masked_token_loss_sum, train_sft
 
 
 @dataclass
@@ -49,8 +50,9 @@ def test_sft_learns_and_checkpoints(tmp_path):
     lm = load_model("tiny-test")
     train = _examples(lm.tokenizer)
     before = evaluate_loss(lm.model, train, lm.tokenizer.pad_token_id)
-    params = SFTParams(epochs=30, batch_size=4, lr=3e-3, warmup_ratio=0.0, seed=0)
-    res = train_sft(lm.model, lm.tokenizer, train, params, tmp_path, val=train, progress=False)
+    params = SFTConfig(epochs=30, batch_size=4, lr=3e-3, warmup_ratio=0.0,
+                       output_dir=str(tmp_path))
+    res = train_sft(lm.model, lm.tokenizer, train, params, seed=0, val=train, progress=False)
     assert res.steps == 60
     assert res.eval_loss < 0.3 * before
     assert (res.checkpoint / "config.json").is_file()
@@ -64,12 +66,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     # Unequal lengths so per-micro-batch token counts differ: a naive mean-of-means would not match.
     train[0] = Ex(train[0].input_ids + train[0].input_ids[-6:], train[0].loss_mask + [1] * 6)
     a, b = copy.deepcopy(lm.model), copy.deepcopy(lm.model)
-    common = dict(epochs=1, lr=1e-2, warmup_ratio=0.0, seed=0, grad_clip=1e9)
-    ra = train_sft(a, lm.tokenizer, train, SFTParams(batch_size=4, **common), tmp_path / "a",
+    common = dict(epochs=1, lr=1e-2, warmup_ratio=0.0, grad_clip=1e9)
+    ra = train_sft(a, lm.tokenizer, train,
+                   SFTConfig(batch_size=4, output_dir=str(tmp_path / "a"), **common), seed=0,
                    progress=False)
     rb = train_sft(b, lm.tokenizer, train,
-                   SFTParams(batch_size=1, gradient_accumulation_steps=4, **common),
-                   tmp_path / "b", progress=False)
+                   SFTConfig(batch_size=1, gradient_accumulation_steps=4,
+                             output_dir=str(tmp_path / "b"), **common),
+                   seed=0, progress=False)
     # The gradient norm is scale-sensitive (Adam's first step is not): a per-micro-batch
     # mean would give a different norm here because the rows have different token counts.
     assert ra.grad_norms[0] == pytest.approx(rb.grad_norms[0], rel=1e-5)

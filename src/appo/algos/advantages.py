@@ -22,7 +22,7 @@ Estimators:
 - `reinforce_plus_plus` (REINFORCE++ with baseline, Hu 2501.03262 / verl
   `reinforce_plus_plus_baseline`): `s - mean_group(s)` (0 for a group of one), broadcast to
   tokens, then whitened over all valid tokens of the batch (unbiased std).
-- `appo` (APPO tree credit, SPEC 2.appo.5): see `appo_advantage`.
+- `appo` (APPO tree credit, docs/algorithms.md §2.4 appo.5, §3.4): see `appo_advantage`.
 
 `entropy_aware_advantage` is AEPO's (2510.14545) token-level transform, applied in the loss
 step after the estimator because it needs the current policy's entropy.
@@ -365,7 +365,7 @@ def entropy_aware_advantage(
 
     advantages, entropy, loss_mask: `[B, T]`; entropy is the current policy's full-vocabulary
     token entropy (it is detached here). `z = (H - mean) / (std + 1e-6)` with the population
-    std over valid tokens of `entropy` (the micro-batch, as SPEC 3), or of the whole
+    std over valid tokens of `entropy` (the micro-batch, docs/algorithms.md §3.5), or of the whole
     mini-batch if `stats` is given. Masked positions keep their advantage. For `z < -1/alpha`
     the factor turns negative, as the paper's formula does. `alpha` is
     `actor.entropy_advantage_alpha`.

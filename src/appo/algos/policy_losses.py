@@ -34,7 +34,8 @@ of negative-advantage tokens at `-A c`.
   mask_k` with `g = 2^(-1/decay_rate)` (half-life `decay_rate` tokens);
   `f = sg(clamp(exp(FutureKL), lo, clip_high))` with `lo = 1` if `clip_high_only` else
   `2 - clip_high`; where `A < 0` and `r > safety_thresh`, `f` is clamped to [0.8, 1];
-  `A' = A (1 + coef f)` (SPEC 4; FIPO itself uses `A f`), then the dual-clip loss on `A'`.
+  `A' = A (1 + coef f)` (docs/algorithms.md §4.3; FIPO itself uses `A f`), then the
+  dual-clip loss on `A'`.
   The APPO runs used eps 0.2 / 0.28 (`actor.clip_ratio_high=0.28`).
 """
 

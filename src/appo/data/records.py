@@ -20,6 +20,9 @@ class RLExample:
     ability: str
     ground_truth: str | list[str]
     extra_info: dict[str, Any] = field(default_factory=dict)
+    # The prompt through the chat template (generation prompt included), set by a load that
+    # was given a tokenizer, so the template is rendered once per prompt.
+    prompt_ids: list[int] | None = None
 
     @property
     def question(self) -> str:

@@ -221,17 +221,19 @@ def load_rl_data(
     return RLData(examples, stats)
 
 
-def prompt_lengths(examples: Sequence[RLExample], tokenizer: Any) -> list[int]:
-    texts = [
-        tokenizer.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True)
-        for ex in examples
-    ]
-    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+def render_prompt_ids(messages: list[Message], tokenizer: Any) -> list[int]:
+    """The prompt's token ids: chat template applied, generation prompt included."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 def _drop_overlong(examples, tokenizer, limit, overlong, spec_text, stats) -> list[RLExample]:
     kept = []
-    for ex, n in zip(examples, prompt_lengths(examples, tokenizer), strict=True):
+    for ex in examples:
+        ex.prompt_ids = render_prompt_ids(ex.prompt, tokenizer)
+        n = len(ex.prompt_ids)
         stats.longest = max(stats.longest, n)
         if n <= limit:
             kept.append(ex)

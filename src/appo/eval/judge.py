@@ -1,4 +1,5 @@
-"""LLM-as-judge over an OpenAI-compatible chat endpoint, behind a verifier check (SPEC 8).
+"""LLM-as-judge over an OpenAI-compatible chat endpoint, behind a verifier check
+(docs/algorithms.md §8.3).
 
 The original evaluation graded with a large instruct model (Qwen2.5-72B-Instruct behind
 vLLM) asked whether the predicted answer is equivalent to the labelled one, replying

@@ -1,4 +1,5 @@
-"""`appo eval`: run a model with tools over benchmarks, k samples per question (SPEC 8).
+"""`appo eval`: run a model with tools over benchmarks, k samples per question
+(docs/algorithms.md §8.1).
 
 Generation is the `grpo` rollout with `n = k`: k independent trajectories per question,
 through the same `ToolLoop` the trainer uses, on any engine (the local `hf` engine or an

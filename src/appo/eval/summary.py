@@ -1,4 +1,5 @@
-"""Benchmark summaries from sample records: pass@1, unbiased pass@k, tool statistics (SPEC 8).
+"""Benchmark summaries from sample records: pass@1, unbiased pass@k, tool statistics
+(docs/algorithms.md §8.2).
 
 Per benchmark, over its finished samples (failed generations are counted, not graded):
 

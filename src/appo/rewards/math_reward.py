@@ -6,7 +6,8 @@ reliably only inside `$...$` or `\\boxed{}`, so bare ground truths are wrapped i
 first (bare `3\\sqrt{3} - 6` does not match `$3\\sqrt{3}-6$`; wrapped it does).
 
 Deviation from the original: ARPO's math rows were graded by token F1 (see
-`deep_research`); this function is the verifier-based grader the SPEC asks for. It is binary
+`deep_research`); this function is the verifier-based grader of docs/algorithms.md
+§6.2. It is binary
 (score = accuracy = 0/1); a missing or unparsable answer scores 0 with the reason recorded.
 
 math-verify guards its sympy calls with `signal.alarm`, which only works in the main

@@ -1,4 +1,4 @@
-"""The tool loop shared by every strategy (SPEC 1): rounds of decode -> tools -> results.
+"""The tool loop shared by every strategy (docs/algorithms.md §1): rounds of decode -> tools -> results.
 
 One `run_round` decodes one segment for every active row (batched in the engine), runs
 the tool calls of all rows that stopped at a closing tag concurrently through the tool
@@ -9,7 +9,7 @@ Token-in/token-out: the trajectory holds exactly the ids the engine sampled plus
 the formatted tool results; nothing is decoded and re-tokenised on the way to the trainer.
 Text is decoded only to find a tool call's content.
 
-Deviation from the original (SPEC 1): at `tools.call_limit` the original appended EOS; with
+Deviation from the original (docs/algorithms.md §1.4, §9 D10): at `tools.call_limit` the original appended EOS; with
 `on_limit: notify` (our default) the row gets a result saying the limit is reached and may
 still answer; `on_limit: stop` ends it (EOS appended as a forced token).
 """
@@ -130,7 +130,7 @@ class RolloutSettings:
         return cls(**values)
 
 
-# ---------------------------------------------------------------- segment entropy (SPEC 2)
+# ---------------------------------------------------------------- segment entropy (docs/algorithms.md §2.2 arpo.2)
 def _mean_entropy(out: SegmentOutput, window: int, vocab_size: int) -> float:
     values = out.entropies[:window]
     return float(sum(values) / len(values)) if values else 0.0

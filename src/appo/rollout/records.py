@@ -5,7 +5,7 @@ with one `loss_mask` / `logp_rollout` / `entropy` value per response token (forc
 tokens carry `loss_mask=0`, `logp_rollout=0`, `entropy=0`). `segments` keeps the
 model/tool boundaries for inspection and the tree view; `tool_calls` keeps what each call did.
 
-Branch provenance (SPEC 2): `parent_id` names the trajectory a branch was copied from and
+Branch provenance (docs/algorithms.md §2.2 arpo.6, §2.4 appo.4): `parent_id` names the trajectory a branch was copied from and
 `branch_token_index` is the split index `t`: the branch is `prompt + parent.response[:t+1]`
 followed by its own continuation (the split token is shared, as in
 `appo.algos.advantages.BranchTree`).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -232,18 +232,22 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=None) -> int:
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=None,
+                annotations: Sequence[dict[str, Any]] | None = None) -> int:
     """Write one trajectory per line; returns the number written.
 
     With a tokenizer, each line also carries `prompt_text` and `response_text` (decoded
     ids, special tokens kept) so a dump can be read with `jq`/`grep`; the ids stay the
-    record, and `read_jsonl` drops the text again.
+    record, and `read_jsonl` drops the text again. `annotations[i]` (e.g. the reward's
+    accuracy, the mean advantage) is merged into line i's `extra` for `appo view`.
     """
     path = Path(path)
     count = 0
     with path.open("w", encoding="utf-8") as f:
-        for traj in trajectories:
+        for i, traj in enumerate(trajectories):
             data = traj.to_dict()
+            if annotations is not None:
+                data["extra"] = {**data["extra"], **annotations[i]}
             for key in ("logp_rollout", "entropy"):
                 data[key] = [_finite(float(v)) for v in data[key]]
             if data["reward"] is not None:

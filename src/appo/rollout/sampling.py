@@ -3,7 +3,7 @@
 Processing order follows transformers' `generate` (repetition penalty, then temperature,
 top-k, top-p), so a row sampled here and one sampled by `generate` come from the same
 distribution. The recorded `logp` and `entropy` are those of that final distribution
-(SPEC 1: the behaviour log-prob under the sampling distribution actually used, and the
+(docs/algorithms.md §1.2: the behaviour log-prob under the sampling distribution actually used, and the
 full-vocabulary entropy of it). The trainer recomputes `logp_old` itself at the rollout
 temperature; these values are what the rollout saw (used for branching and APPO scores).
 """

@@ -1,4 +1,4 @@
-"""APPO Branching Score and branch-point selection (SPEC 2 appo, seeds/appo_readme.md).
+"""APPO Branching Score and branch-point selection (docs/algorithms.md §2.4 appo.2, appo.3).
 
 Per initial trajectory, over its sampled tokens (`mask`):
 
@@ -20,7 +20,7 @@ noise is bounded by the precision. `rollout.lr_noise_tol` (None) defaults to
 measured in that dtype (`benchmarks/RESULTS.md`); an optimizer step moves some tokens'
 log-probs by far more.
 
-Eligibility, beyond the SPEC's rule: the last token of a model segment is never a split
+Eligibility, beyond the original's rule (docs/algorithms.md §2.4 appo.3, §9 D8): the last token of a model segment is never a split
 point (a continuation after a stop tag, EOS or the length limit has nothing to sample), and
 if a prompt has fewer eligible tokens than `B`, the ranking is reused cyclically, then
 punctuation tokens are allowed, then branches fall back to the prompt (`split = -1`).
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import string
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -212,8 +212,7 @@ def plan_branches(
     return plan
 
 
-def hf_score_fn(model, sampling: SamplingParams | None = None,
-                chunk: int = 256) -> Callable[[list[Trajectory]], list[Tensor]]:
+class HFScorer:
     """A score_fn from a transformers causal LM: one full forward per trajectory.
 
     Each response token's log-prob is taken under the same sampling transform the engine
@@ -221,41 +220,45 @@ def hf_score_fn(model, sampling: SamplingParams | None = None,
     top-k, top-p: `sampling.sampling_log_probs`), so for an on-policy rollout `lr` is 0 up to
     float noise and FV measures only how the current policy differs from the behaviour
     one. (verl recomputes at the temperature only; with top-k/top-p that leaves the
-    truncated mass in every `lr`.) Positions are processed `chunk` at a time.
+    truncated mass in every `lr`.) Positions are processed `chunk` at a time. `dtype` (the
+    model's) picks the default `rollout.lr_noise_tol`.
     """
-    sampling = sampling if sampling is not None else SamplingParams()
-    if not isinstance(sampling, SamplingParams):
-        raise AppoError(f"hf_score_fn takes SamplingParams, got {type(sampling).__name__}")
-    first = next(model.parameters())
-    device = first.device
+
+    def __init__(self, model, sampling: SamplingParams | None = None, chunk: int = 256):
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise AppoError(f"hf_score_fn takes SamplingParams, got {type(sampling).__name__}")
+        self.model, self.sampling, self.chunk = model, sampling, chunk
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
 
     @torch.inference_mode()
-    def score(trajs: list[Trajectory]) -> list[Tensor]:
-        out = []
-        for traj in trajs:
-            size = len(traj.response_ids)
-            if size == 0:
-                out.append(torch.zeros(0))
-                continue
-            ids = torch.tensor(traj.prompt_ids + traj.response_ids, device=device)
-            logits = model(input_ids=ids[None], logits_to_keep=size + 1).logits[0, :-1]
-            first_seen = None
-            if sampling.repetition_penalty != 1.0:  # where each vocabulary id first occurs
-                first_seen = torch.full((logits.shape[-1],), ids.numel(), device=device)
-                first_seen.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=device),
-                                           "amin")
-            prompt_len = len(traj.prompt_ids)
-            values = []
-            for lo in range(0, size, chunk):
-                hi = min(size, lo + chunk)
-                seen = None
-                if first_seen is not None:  # context of response token i: ids[:prompt_len+i]
-                    context_end = prompt_len + torch.arange(lo, hi, device=device)
-                    seen = first_seen[None, :] < context_end[:, None]
-                logp = sampling_log_probs(logits[lo:hi].float(), sampling, seen)
-                values.append(logp.gather(1, ids[prompt_len + lo : prompt_len + hi, None]))
-            out.append(torch.cat(values).squeeze(1).cpu())
-        return out
+    def __call__(self, trajs: list[Trajectory]) -> list[Tensor]:
+        return [self._one(traj) for traj in trajs]
 
-    score.dtype = first.dtype  # picks the default lr_noise_tol
-    return score
+    def _one(self, traj: Trajectory) -> Tensor:
+        size, device, sampling = len(traj.response_ids), self.device, self.sampling
+        if size == 0:
+            return torch.zeros(0)
+        ids = torch.tensor(traj.prompt_ids + traj.response_ids, device=device)
+        logits = self.model(input_ids=ids[None], logits_to_keep=size + 1).logits[0, :-1]
+        first_seen = None
+        if sampling.repetition_penalty != 1.0:  # where each vocabulary id first occurs
+            first_seen = torch.full((logits.shape[-1],), ids.numel(), device=device)
+            first_seen.scatter_reduce_(0, ids, torch.arange(ids.numel(), device=device), "amin")
+        prompt_len = len(traj.prompt_ids)
+        values = []
+        for lo in range(0, size, self.chunk):
+            hi = min(size, lo + self.chunk)
+            seen = None
+            if first_seen is not None:  # context of response token i: ids[:prompt_len+i]
+                context_end = prompt_len + torch.arange(lo, hi, device=device)
+                seen = first_seen[None, :] < context_end[:, None]
+            logp = sampling_log_probs(logits[lo:hi].float(), sampling, seen)
+            values.append(logp.gather(1, ids[prompt_len + lo : prompt_len + hi, None]))
+        return torch.cat(values).squeeze(1).cpu()
+
+
+def hf_score_fn(model, sampling: SamplingParams | None = None, chunk: int = 256) -> HFScorer:
+    """`HFScorer(model, sampling, chunk)`: the appo strategy's score_fn for a local model."""
+    return HFScorer(model, sampling, chunk)

@@ -3,7 +3,7 @@
 A stop string such as `</python>` is one token for some tokenizers and three for others
 (SmolLM2: `</` `python` `>`), and the token that completes it may carry extra characters.
 So stops are found on the decoded text of the tail of the row's current segment, never on
-single ids. The token that completes the stop string is kept (SPEC 1).
+single ids. The token that completes the stop string is kept (docs/algorithms.md §1.3).
 
 Cost control: a stop string can only be completed by a token whose text contains the
 string's last character, so most steps skip decoding entirely (`may_complete` table).

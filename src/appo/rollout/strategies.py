@@ -1,4 +1,4 @@
-"""Rollout strategies (`rollout.strategy`): grpo, arpo, aepo, appo (SPEC 2).
+"""Rollout strategies (`rollout.strategy`): grpo, arpo, aepo, appo (docs/algorithms.md §2).
 
 - `grpo`: `n` independent trajectories per prompt.
 - `arpo` (ARPO, 2507.19849): `initial_rollouts` trajectories; after each tool result a row
@@ -9,7 +9,7 @@
   (the original kept it on the worker and never reset it between batches).
 - `aepo` (AEPO, 2510.14545): arpo plus entropy pre-monitoring (`m` initial rollouts from
   `H_root - H_tool`) and a penalty on consecutive branching rounds: `c` counts the
-  consecutive previous rounds in which the prompt got new rows (SPEC 2 aepo.3: branches,
+  consecutive previous rounds in which the prompt got new rows (docs/algorithms.md §2.3 aepo.3: branches,
   and the fresh row arpo's fill rule starts when the prompt has no active row), reset to 0
   by a round in which it got none. The initial `m` rows are not counted.
 - `appo` (seeds/appo_readme.md): full initial trajectories, then branches at the top-B
@@ -81,7 +81,7 @@ def _drive(
     rows: dict[str, list[RowState]] | None = None,
     on_round_end: Callable[[dict[str, int]], None] | None = None,
 ) -> list[RowState]:
-    """The arpo-family round loop (SPEC 2 arpo steps 1, 4, 5). Returns all rows made."""
+    """The arpo-family round loop (docs/algorithms.md §2.2 arpo.1, arpo.4, arpo.5). Returns all rows made."""
     rows = rows if rows is not None else {p.uid: [] for p in prompts}
     for p in prompts:
         for _ in range(initial[p.uid]):
@@ -156,7 +156,7 @@ def rollout_arpo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
 
 # ---------------------------------------------------------------- aepo
 def aepo_initial_rollouts(n: int, h_root: float, h_tool: float, beta: float) -> int:
-    """`m = clamp(int(n * sigmoid(beta * (H_root - H_tool))) + 1, 1, n)` (SPEC 2 aepo.2)."""
+    """`m = clamp(int(n * sigmoid(beta * (H_root - H_tool))) + 1, 1, n)` (docs/algorithms.md §2.3 aepo.2)."""
     sig = 1.0 / (1.0 + math.exp(-beta * (h_root - h_tool)))
     return max(1, min(n, int(n * sig) + 1))
 

@@ -449,7 +449,7 @@ class HttpRetrieverBackend:
 BACKENDS: dict[str, type] = {
     "bm25": Bm25Backend,
     "replay": ReplayBackend,
-    "cache": ReplayBackend,  # SPEC section 5's name for replay
+    "cache": ReplayBackend,  # the original's name for replay (docs/algorithms.md §5.3)
     "brightdata": BrightDataBackend,
     "http": HttpRetrieverBackend,
 }

@@ -99,3 +99,46 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise AppoError(f"no {STATE_FILE} in {path}: not an appo checkpoint") from None
+
+
+def check_keys(path: Any, missing: list[str], unexpected: list[str]) -> None:
+    """A loaded state dict must match the model (tied weights are saved once)."""
+    tied = {k for k in missing if "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise AppoError(f"checkpoint {path} does not match the model "
+                        f"(missing {sorted(set(missing) - tied)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]})")
+
+
+def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = False,
+                    rollout_model=None, announce: bool = True) -> int:
+    """Load the latest checkpoint under `root` into the model, optimizer and scheduler;
+    returns its step (0 when there is none). Under FSDP `model` is sharded and
+    `rollout_model` is the whole replica the weights are loaded into first."""
+    from safetensors.torch import load_file
+
+    from appo.trainer.fsdp import load_full_states
+
+    path = latest_checkpoint(root)
+    if path is None:
+        return 0
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    trainer_state = load_trainer_state(path)
+    saved_fsdp = trainer_state["extra"].get("parallel") == "fsdp"
+    if saved_fsdp != fsdp:
+        saved = "fsdp" if saved_fsdp else "ddp"
+        raise AppoError(f"checkpoint {path} was written by a {saved} run; resume it with "
+                        f"trainer.parallel={saved} (optimizer states differ)")
+    if fsdp:
+        check_keys(path, *rollout_model.load_state_dict(state, strict=False))
+        load_full_states(model, optimizer, rollout_model.state_dict(), trainer_state["optimizer"])
+    else:
+        check_keys(path, *model.load_state_dict(state, strict=False))
+        optimizer.load_state_dict(trainer_state["optimizer"])
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    step = int(trainer_state["step"])
+    if announce:
+        print(f"appo: resumed from {path} at step {step}")
+    return step

@@ -1,10 +1,10 @@
-"""`appo sft`, `appo train` (and the demo lives in appo.trainer.demo)."""
+"""`appo sft`, `appo train`, `appo demo` (the demo's stages are in appo.trainer.demo)."""
 
 from __future__ import annotations
 
 import argparse
 
-from appo.commands import add_config_args, config_from_args
+from appo.commands import add_config_args, config_from_args, split_overrides
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -12,7 +12,7 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.errors import AppoError
     from appo.models import load_model
     from appo.trainer.metrics import MetricsLogger
-    from appo.trainer.sft import SFTParams, train_sft
+    from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
     lm = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
@@ -21,12 +21,12 @@ def _sft(args: argparse.Namespace) -> int:
         raise AppoError("sft.train_files produced no examples")
     val = sft_data_from_config(cfg, lm.tokenizer, "val").examples if cfg.sft.val_files else None
     s = cfg.sft
-    params = SFTParams.from_config(cfg)
     logger = MetricsLogger(s.output_dir, list(cfg.trainer.logger))
     print(f"appo sft: {len(train.examples)} examples "
           f"({train.stats.skipped_overlong} skipped as too long), model {cfg.model.path}")
-    result = train_sft(lm.model, lm.tokenizer, train.examples, params, s.output_dir, val=val,
-                       logger=logger)
+    result = train_sft(lm.model, lm.tokenizer, train.examples, s, seed=cfg.trainer.seed,
+                       val=val, logger=logger,
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     logger.close()
     last = result.train_loss[-1] if result.train_loss else float("nan")
     print(f"appo sft: {result.steps} steps in {result.seconds:.0f} s, final loss {last:.4f}"
@@ -35,8 +35,18 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from appo.trainer.demo import demo_config, demo_yaml, run_demo
+
+    if args.print_config:
+        print(demo_yaml(), end="")
+        return 0
+    overrides, _ = split_overrides(list(args.overrides or []))
+    return run_demo(demo_config(args.config, overrides))
+
+
 def _train(args: argparse.Namespace) -> int:
-    from appo.trainer.rl import RLTrainer
+    from appo.trainer.loop import RLTrainer
 
     cfg = config_from_args(args)
     trainer = RLTrainer(cfg)
@@ -55,3 +65,8 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="RL training: grpo / arpo / aepo / appo (rollout.strategy)")
     add_config_args(p)
     p.set_defaults(handler=_train)
+    p = sub.add_parser("demo", help="the main job on the embedded model (make demo)")
+    add_config_args(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the demo's config (configs/demo.yaml) and exit")
+    p.set_defaults(handler=_demo)

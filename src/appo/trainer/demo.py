@@ -18,10 +18,9 @@ the RL stage alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,31 +110,17 @@ def demo_yaml() -> str:
 
 def evaluate_levels(trainer, stage: str, out_dir: Path) -> StageResult:
     """Greedy pass@1 and tool calls per answer on the validation set, per `extra_info.level`."""
-    from appo.rollout import write_jsonl
-    from appo.rollout.sampling import SamplingParams
-
-    e = trainer.cfg.eval
-    settings = replace(trainer.settings, n=1, initial_rollouts=1,
-                       max_response_length=e.max_response_length,
-                       sampling=SamplingParams.from_config(e))
     start = time.perf_counter()
-    examples = trainer.val_data
-    _, batch = trainer.run_rollout(examples, f"eval-{stage}", 10_000_019, settings=settings,
-                                   strategy="grpo")
-    outputs = trainer.score(batch.trajectories, examples)
-    by_level: dict[int, list[tuple[float, int]]] = {}
-    for traj, out in zip(batch.trajectories, outputs, strict=True):
-        level = int(examples[traj.extra["index"]].extra_info.get("level", 0))
-        by_level.setdefault(level, []).append((float(out.accuracy), traj.num_tool_calls))
-    write_jsonl(batch.trajectories, out_dir / f"eval_{stage}.jsonl", tokenizer=trainer.tokenizer)
+    e = trainer.cfg.eval
+    ev = trainer.evaluate(trainer.val_data, f"eval-{stage}", 10_000_019, n=1,
+                          max_response_length=e.max_response_length)
+    trainer.dump(out_dir / f"eval_{stage}.jsonl", ev.trajectories, ev.examples, ev.rewards)
     result = StageResult(stage=stage, seconds=time.perf_counter() - start)
-    for level in sorted(by_level):
-        rows = by_level[level]
-        result.levels.append(LevelScore(
-            level=level, questions=len(rows),
-            accuracy=sum(a for a, _ in rows) / len(rows),
-            tool_calls_per_answer=sum(c for _, c in rows) / len(rows),
-        ))
+    for level, part in ev.by(lambda ex: int(ex.extra_info.get("level", 0))).items():
+        m = part.metrics()
+        result.levels.append(LevelScore(level=level, questions=len(part.trajectories),
+                                        accuracy=m["val/pass@1"],
+                                        tool_calls_per_answer=m["val/tool_calls_per_answer"]))
     return result
 
 
@@ -158,7 +143,7 @@ def results_table(stages: list[StageResult]) -> str:
 def _sft_stage(trainer, cfg) -> Any:
     from appo.data.sft import sft_data_from_config
     from appo.trainer.metrics import MetricsLogger
-    from appo.trainer.sft import SFTParams, train_sft
+    from appo.trainer.sft import train_sft
 
     tools = {tag: trainer.tools.resolve(tag) for tag in trainer.tools.tags}
     data = sft_data_from_config(cfg, trainer.tokenizer, "train", tool_instances=tools)
@@ -166,21 +151,17 @@ def _sft_stage(trainer, cfg) -> Any:
         raise AppoError("sft.train_files produced no demonstrations")
     logger = MetricsLogger(cfg.sft.output_dir, [x for x in cfg.trainer.logger if x == "jsonl"])
     result = train_sft(trainer.model, trainer.tokenizer, data.examples,
-                       SFTParams.from_config(cfg), cfg.sft.output_dir, logger=logger)
+                       cfg.sft, seed=cfg.trainer.seed, logger=logger,
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
     logger.close()
     return result, len(data.examples)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from appo.commands import split_overrides
+def run_demo(cfg) -> int:
+    """Run the demo's stages on `cfg` (`demo_config`) and write the report folder."""
     from appo.models import load_model
-    from appo.trainer.rl import RLTrainer
+    from appo.trainer.loop import RLTrainer
 
-    if getattr(args, "print_config", False):
-        print(demo_yaml(), end="")
-        return 0
-    overrides, _ = split_overrides(list(getattr(args, "overrides", []) or []))
-    cfg = demo_config(getattr(args, "config", None), overrides)
     report = Path(cfg.trainer.default_local_dir).parent
     report.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()

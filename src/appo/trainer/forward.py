@@ -15,24 +15,41 @@ checkpointing on, or when the shared prefix is short, the plain padded forward i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from appo.models.compat import cache_argument
-from appo.prefix import common_prefix_length
-from appo.trainer.batching import MicroBatchPlan, pad_right
 
 MIN_SHARED_PREFIX = 16  # below this the second forward costs more than it saves
 
 
-def shared_prefix_length(rows: list[list[int]], share_prefix: bool = True) -> int:
-    """Tokens `final_hidden_states` computes once for all `rows` (0: the plain forward).
+@dataclass
+class MicroBatchPlan:
+    batches: list[list[int]]  # row indices per micro-batch
+    real_tokens: int
+    padded_tokens: int
+    rows_tokens: int = 0  # sum of row lengths; differs from real_tokens with a shared prefix
 
-    Every row keeps at least one token of its own, so the suffix batch is never empty.
-    """
-    if not share_prefix or len(rows) < 2:
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+def _leading_run(same: Tensor) -> int:
+    """Length of the leading run of True in a 1-D bool tensor."""
+    return int(same.to(torch.int64).cumprod(0).sum()) if same.numel() else 0
+
+
+def shared_prefix_length(ids: Tensor, lengths: Tensor, share_prefix: bool = True) -> int:
+    """Tokens `final_hidden_states` computes once for all rows of `ids` `[B, T]` (0: the plain
+    forward). Every row keeps at least one token of its own, so the suffix batch is never
+    empty."""
+    if not share_prefix or len(ids) < 2:
         return 0
-    shared = common_prefix_length(rows, min(len(r) for r in rows) - 1)
+    limit = int(lengths.min()) - 1
+    shared = _leading_run((ids[:, :limit] == ids[:1, :limit]).all(dim=0))
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
@@ -73,41 +90,42 @@ def _additive_causal_mask(rows: int, past: int, steps: int, dtype, device) -> Te
     return mask[None, None].expand(rows, 1, steps, past + steps)
 
 
-def final_hidden_states(model, rows: list[list[int]], pad_id: int,
-                        share_prefix: bool = True) -> Tensor:
-    """Hidden states after the final norm, `[B, T, D]` for `B = len(rows)` right-padded rows
-    (`T` = longest row; padding positions hold unspecified values). The LM head is not
-    applied: callers compute log-probs from these in chunks."""
+def final_hidden_states(model, ids: Tensor, lengths: Tensor, share_prefix: bool = True) -> Tensor:
+    """Hidden states after the final norm, `[B, T]` right-padded rows `ids` of `lengths`
+    `[B]` -> `[B, T', D]` with `T' = max(lengths)` (padding positions hold unspecified
+    values). The LM head is not applied: callers compute log-probs from these in chunks."""
     device = next(model.parameters()).device
+    width = int(lengths.max())
+    ids = ids[:, :width].to(device)
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    shared = 0 if checkpointing else shared_prefix_length(rows, share_prefix)
+    shared = 0 if checkpointing else shared_prefix_length(ids, lengths, share_prefix)
     if shared == 0:
-        ids = pad_right(rows, pad_id, torch.long).to(device)
-        attn = pad_right([[1] * len(r) for r in rows], 0, torch.long).to(device)
+        attn = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.long).to(device)
         out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True,
                     logits_to_keep=1)
         return out.hidden_states[-1]
+    rows = len(ids)
     dtype = next(model.parameters()).dtype
     cache = _PrefixCache()
-    prefix = torch.tensor(rows[0][:shared], dtype=torch.long, device=device)[None]
-    out = model(input_ids=prefix, attention_mask=_additive_causal_mask(1, 0, shared, dtype, device),
+    out = model(input_ids=ids[:1, :shared],
+                attention_mask=_additive_causal_mask(1, 0, shared, dtype, device),
                 position_ids=torch.arange(shared, device=device)[None], use_cache=True,
                 **cache_argument(model, cache), output_hidden_states=True, logits_to_keep=1)
     prefix_hidden = out.hidden_states[-1]  # [1, L, D]
-    cache.expand(len(rows))
+    cache.expand(rows)
     cache.length = shared
-    suffix = pad_right([r[shared:] for r in rows], pad_id, torch.long).to(device)
+    suffix = ids[:, shared:]  # right padding comes along; real queries never attend to it
     steps = suffix.shape[1]
     out = model(input_ids=suffix,
-                attention_mask=_additive_causal_mask(len(rows), shared, steps, dtype, device),
+                attention_mask=_additive_causal_mask(rows, shared, steps, dtype, device),
                 position_ids=torch.arange(shared, shared + steps, device=device)[None].expand(
-                    len(rows), -1),
+                    rows, -1),
                 use_cache=True, output_hidden_states=True, logits_to_keep=1,
                 **cache_argument(model, cache))
     suffix_hidden = out.hidden_states[-1]  # [B, S, D]
-    return torch.cat([prefix_hidden.expand(len(rows), -1, -1), suffix_hidden], dim=1)
+    return torch.cat([prefix_hidden.expand(rows, -1, -1), suffix_hidden], dim=1)
 
 
 def _cost(n_rows: int, longest: int, shortest: int, lcp: int, share_prefix: bool) -> int:
@@ -118,53 +136,62 @@ def _cost(n_rows: int, longest: int, shortest: int, lcp: int, share_prefix: bool
     return shared + n_rows * (longest - shared)
 
 
-def computed_tokens(rows: list[list[int]], share_prefix: bool = True) -> int:
-    """Tokens `final_hidden_states` runs through the model for `rows` (padding included)."""
-    if not rows:
+def computed_tokens(ids: Tensor, lengths: Tensor, share_prefix: bool = True) -> int:
+    """Tokens `final_hidden_states` runs through the model for these rows (padding included)."""
+    if len(ids) == 0:
         return 0
-    shared = shared_prefix_length(rows, share_prefix)
-    return shared + len(rows) * (max(len(r) for r in rows) - shared)
+    shared = shared_prefix_length(ids, lengths, share_prefix)
+    return shared + len(ids) * (int(lengths.max()) - shared)
 
 
-def plan_shared_microbatches(rows: list[list[int]], max_tokens: int,
+def _pair_prefix(a: Tensor, b: Tensor, limit: int) -> int:
+    """Common prefix length of two 1-D token tensors, at most `limit`."""
+    n = min(limit, len(a), len(b))
+    return _leading_run(a[:n] == b[:n])
+
+
+def plan_shared_microbatches(ids: Tensor, lengths: Tensor, max_tokens: int,
                              groups: list[str] | None = None,
                              share_prefix: bool = True) -> MicroBatchPlan:
     """Micro-batches for `final_hidden_states` under a budget of computed tokens.
 
-    Rows are ordered by group (first appearance; e.g. the prompt uid, so a group's rows
-    share their whole prompt) and then by length, and packed greedily while the forward's
-    cost (shared prefix once + padded suffixes) stays within `max_tokens`. A row over the
-    budget gets a micro-batch of its own. `real_tokens` counts the distinct tokens computed
-    (prefix once), `padded_tokens` what the forwards compute, so the plan's padding fraction
-    is padding only; `rows_tokens` is the unshared total (the plain forward's real work).
+    `ids` `[B, T]` right-padded rows of `lengths` `[B]`. Rows are ordered by group (first
+    appearance; e.g. the prompt uid, so a group's rows share their whole prompt) and then by
+    length, and packed greedily while the forward's cost (shared prefix once + padded
+    suffixes) stays within `max_tokens`. A row over the budget gets a micro-batch of its
+    own. `real_tokens` counts the distinct tokens computed (prefix once), `padded_tokens`
+    what the forwards compute, so the plan's padding fraction is padding only;
+    `rows_tokens` is the unshared total (the plain forward's real work).
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-    keys = groups if groups is not None else [""] * len(rows)
+    lens = lengths.tolist()
+    keys = groups if groups is not None else [""] * len(lens)
     first = {g: i for i, g in reversed(list(enumerate(keys)))}
-    order = sorted(range(len(rows)), key=lambda i: (first[keys[i]], len(rows[i]), i))
+    order = sorted(range(len(lens)), key=lambda i: (first[keys[i]], lens[i], i))
     batches: list[list[int]] = []
     current: list[int] = []
     longest = shortest = lcp = 0
     for i in order:
-        row = rows[i]
+        n = lens[i]
         if current:
-            new_lcp = common_prefix_length([rows[current[0]], row], lcp)
-            cost = _cost(len(current) + 1, max(longest, len(row)), min(shortest, len(row)),
-                         new_lcp, share_prefix)
+            new_lcp = _pair_prefix(ids[current[0]], ids[i], min(lcp, n))
+            cost = _cost(len(current) + 1, max(longest, n), min(shortest, n), new_lcp,
+                         share_prefix)
             if cost <= max_tokens:
                 current.append(i)
-                longest, shortest, lcp = max(longest, len(row)), min(shortest, len(row)), new_lcp
+                longest, shortest, lcp = max(longest, n), min(shortest, n), new_lcp
                 continue
             batches.append(current)
-        current, longest, shortest, lcp = [i], len(row), len(row), len(row)
+        current, longest, shortest, lcp = [i], n, n, n
     if current:
         batches.append(current)
     padded = real = 0
     for b in batches:
-        sub = [rows[i] for i in b]
-        shared = shared_prefix_length(sub, share_prefix)
-        real += sum(len(r) for r in sub) - (len(sub) - 1) * shared
-        padded += shared + len(sub) * (max(len(r) for r in sub) - shared)
+        index = torch.tensor(b, dtype=torch.long)
+        sub_lens = lengths[index]
+        shared = shared_prefix_length(ids[index], sub_lens, share_prefix)
+        real += int(sub_lens.sum()) - (len(b) - 1) * shared
+        padded += shared + len(b) * (int(sub_lens.max()) - shared)
     return MicroBatchPlan(batches=batches, real_tokens=real, padded_tokens=padded,
-                          rows_tokens=sum(len(r) for r in rows))
+                          rows_tokens=sum(lens))

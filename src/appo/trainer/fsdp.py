@@ -106,9 +106,10 @@ def to_float(value) -> float:
     return float(value)
 
 
-def idle_step(model, pad_id: int) -> None:
-    """A forward/backward that contributes nothing, to keep ranks' collectives in step."""
+def idle_step(model) -> None:
+    """A forward/backward that contributes nothing, to keep ranks' collectives in step (any
+    token does: the loss is multiplied by 0)."""
     device = next(model.parameters()).device
-    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     out = model(input_ids=ids, logits_to_keep=1)
     (out.logits.sum() * 0.0).backward()

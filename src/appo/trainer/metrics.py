@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +128,58 @@ def plot_metrics(path: str | Path, keys: list[str], out_dir: str | Path) -> list
         plt.close(fig)
         written.append(target)
     return written
+
+
+@dataclass
+class StepTimer:
+    """Wall seconds per phase of a step (`with timer.measure("rollout"): ...`)."""
+
+    phases: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def measure(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.phases[name] += time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def rollout_metrics(trajs, outputs, stats) -> dict[str, float]:
+    """Reward, tool-use and size statistics of a step's trajectories (`outputs`: their
+    `RewardOutput`s, aligned) and the rollout's counters."""
+    n = max(len(trajs), 1)
+    scores = [float(t.reward) for t in trajs]
+    mean = sum(scores) / n
+    per_tool: Counter = Counter()
+    for t in trajs:
+        per_tool.update(c.tool for c in t.tool_calls)
+    m = {
+        "reward/mean": mean,
+        "reward/std": (sum((s - mean) ** 2 for s in scores) / n) ** 0.5,
+        "reward/accuracy": sum(o.accuracy for o in outputs) / n,
+        "reward/format_ok": sum(1.0 for o in outputs if o.format_ok) / n,
+        "rollout/trajectories": float(len(trajs)),
+        "rollout/branches": float(sum(1 for t in trajs if t.parent_id is not None)),
+        "rollout/tool_calls_per_traj": sum(t.num_tool_calls for t in trajs) / n,
+        "rollout/response_len": sum(len(t.response_ids) for t in trajs) / n,
+        "rollout/truncated_frac": sum(1.0 for t in trajs if t.truncated) / n,
+    }
+    ents = [e for t in trajs for e, k in zip(t.entropy, t.loss_mask, strict=True) if k]
+    if ents:
+        m["rollout/entropy"] = sum(ents) / len(ents)
+    for tool, count in per_tool.items():
+        m[f"rollout/calls_{tool}_per_traj"] = count / n
+    if stats is not None:
+        m["rollout/tokens_prefilled"] = float(stats.tokens_prefilled)
+        m["rollout/tokens_decoded"] = float(stats.tokens_decoded)
+        m["rollout/tokens_reused"] = float(stats.tokens_reused)
+    return m

@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,32 +27,6 @@ from appo.trainer.metrics import MetricsLogger
 class TokenExample(Protocol):
     input_ids: list[int]
     loss_mask: list[int]
-
-
-@dataclass
-class SFTParams:
-    epochs: int = 1
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    grad_clip: float = 1.0
-    save_freq: int = -1
-    seed: int = 42
-    max_steps: int | None = None
-    gradient_checkpointing: bool = False
-
-    @classmethod
-    def from_config(cls, cfg) -> SFTParams:
-        s = cfg.sft
-        return cls(
-            epochs=s.epochs, batch_size=s.batch_size,
-            gradient_accumulation_steps=s.gradient_accumulation_steps, lr=s.lr,
-            weight_decay=s.weight_decay, warmup_ratio=s.warmup_ratio, grad_clip=s.grad_clip,
-            save_freq=s.save_freq, seed=cfg.trainer.seed, max_steps=s.max_steps,
-            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-        )
 
 
 @dataclass
@@ -74,9 +48,12 @@ def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
     (the system prompt) is computed once (`appo.trainer.forward`).
     """
     from appo.algos import token_logprobs_and_entropy
+    from appo.trainer.batch import pad_right
     from appo.trainer.forward import final_hidden_states
 
-    hidden = final_hidden_states(model, [e.input_ids for e in examples], pad_id, share_prefix)
+    hidden = final_hidden_states(model, pad_right([e.input_ids for e in examples], pad_id,
+                                                  torch.long),
+                                 torch.tensor([len(e.input_ids) for e in examples]), share_prefix)
     rows, positions, targets = [], [], []
     for i, e in enumerate(examples):
         for p in range(1, len(e.input_ids)):
@@ -114,13 +91,16 @@ def train_sft(
     model,
     tokenizer,
     train: list[TokenExample],
-    params: SFTParams,
-    out_dir: str | Path,
+    params: Any,
+    seed: int = 42,
     val: list[TokenExample] | None = None,
     logger: MetricsLogger | None = None,
     progress: bool = True,
+    gradient_checkpointing: bool = False,
 ) -> SFTResult:
-    """Run SFT in place on `model`; returns the loss curve and the final checkpoint path."""
+    """Run SFT in place on `model` under `params` (an `appo.config.SFTConfig`: `sft.*`);
+    checkpoints go to `params.output_dir`. Returns the loss curve and the final checkpoint
+    path. `seed` (`trainer.seed`) orders the data."""
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -129,7 +109,8 @@ def train_sft(
 
         raise AppoError("SFT got no training examples")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if params.gradient_checkpointing:
+    out_dir = Path(params.output_dir)
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     per_step = params.batch_size * params.gradient_accumulation_steps
@@ -145,7 +126,7 @@ def train_sft(
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, int(params.warmup_ratio * total_steps), total_steps
     )
-    generator = torch.Generator().manual_seed(params.seed)
+    generator = torch.Generator().manual_seed(seed)
     result = SFTResult(steps=0)
     start = time.perf_counter()
     model.train()

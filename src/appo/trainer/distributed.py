@@ -1,0 +1,92 @@
+"""Data parallelism for the RL trainer: the process group and the few collectives it needs.
+
+Under `accelerate launch` / torchrun (WORLD_SIZE > 1) each rank rolls out its share of the
+prompts, trajectories are gathered so group advantages see whole groups, each rank trains
+on the rows it generated, and gradients are summed once per optimizer step. Loss
+normalisers are global (`appo.algos.LossAgg`), so the update equals the single-process one.
+In one process every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+
+import torch
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    # gloo's worker threads drop a finished collective's tensors after the caller has
+    # returned, and dropping a tensor's Python object takes the GIL. A thread that asks for
+    # the GIL once finalisation has begun is ended by Python inside that C++ destructor,
+    # and std::terminate aborts the rank (seen in a core dump: ~AsyncAllreduceWork ->
+    # decref_pyobject -> take_gil -> pthread_exit). Sleeping hands the GIL to any such
+    # pending release while the interpreter is still whole.
+    time.sleep(0.05)
+
+
+class DataParallel:
+    """Rank / world size and the few collectives the loop needs (no-ops in one process)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.enabled else 0
+        self.world = dist.get_world_size() if self.enabled else 1
+
+    @classmethod
+    def from_env(cls) -> DataParallel:
+        """Join the process group when started by `accelerate launch` / torchrun (WORLD_SIZE,
+        RANK, MASTER_ADDR set): nccl with CUDA, gloo on CPU."""
+        import torch.distributed as dist
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            # Leave the group while the interpreter is still whole: a process that exits
+            # with the group alive tears gloo's worker threads down during finalisation,
+            # which now and then aborts a rank ("terminate called without an active
+            # exception", SIGABRT) after its work is done.
+            atexit.register(_leave_process_group)
+        return cls()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def gather_objects(self, items: list) -> list:
+        if not self.enabled:
+            return list(items)
+        parts: list[list] = [None] * self.world  # type: ignore[list-item]
+        self.dist.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
+
+    def max_int(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t)
+        return t.tolist()
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum gradients over ranks. Losses carry global normalisers, so the sum is the
+        gradient of the global loss (each rank's loss is its share of it)."""
+        if not self.enabled:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.dist.all_reduce(p.grad)

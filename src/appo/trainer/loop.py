@@ -1,0 +1,336 @@
+"""The RL loop (GRPO / ARPO / AEPO / APPO), readable top to bottom.
+
+One step (`RLTrainer.train_step`), each hand-off a typed record:
+    examples (`RLExample`) -> rollout (`RolloutBatch` of `Trajectory`) -> rewards
+    (`RewardOutput`, `Trajectory.reward`) -> `TrainBatch` (tensors, built once) ->
+    advantages -> reference log-probs (only with a KL term) -> old log-probs (only when
+    `actor.ppo_epochs > 1`) -> update (`appo.trainer.update`) -> metrics, rollout dump,
+    checkpoint, validation.
+
+Deviations from the original (verl) and why:
+- The hf rollout engine shares the policy's weights in memory, so on one process there is no
+  weight sync between a trainer and an inference server; under FSDP the engine samples from
+  a whole replica refreshed after each update (`sync_rollout_weights`).
+- All per-step randomness (sampling, branch decisions) is derived from (seed, step), so a
+  resumed run repeats an uninterrupted one bit for bit on CPU.
+- Data parallelism: `appo.trainer.distributed`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appo.algos import AdvantageParams
+from appo.errors import AppoError
+from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
+from appo.trainer.distributed import DataParallel
+from appo.trainer.evaluate import Evaluation, evaluate
+from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
+from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
+from appo.trainer.update import batched_logprobs, kl_coef, update_policy
+
+CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
+                "rollout/branches", "actor/pg_loss", "actor/grad_norm", "time/step",
+                "val/pass@1"]
+PLOT_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
+             "rollout/branches", "rollout/entropy", "rollout/response_len", "actor/pg_loss",
+             "actor/grad_norm", "actor/kl", "val/pass@1", "time/step"]
+
+
+class RLTrainer:
+    """Builds everything from an `AppoConfig` and runs `fit()`."""
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, close: bool = True) -> list[dict[str, float]]:
+        """Train to `total_steps`; `close=False` keeps the tools open for more rollouts."""
+        from tqdm.auto import tqdm
+
+        t = self.cfg.trainer
+        history: list[dict[str, float]] = []
+        if t.val_before_train and self.step == 0:
+            val = self.validate()
+            self.logger.log(0, val, console_keys=sorted(val))
+            history.append({"step": 0, **val})
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="rl", disable=not self.progress,
+                   leave=False)
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            if t.test_freq > 0 and self.step % t.test_freq == 0:
+                metrics.update(self.validate())
+            self.logger.log(self.step, metrics, console_keys=CONSOLE_KEYS)
+            history.append({"step": self.step, **metrics})
+            if t.save_freq > 0 and self.step % t.save_freq == 0:
+                self.save()
+            bar.update(1)
+        bar.close()
+        if self.step > 0 and (t.save_freq <= 0 or self.step % t.save_freq != 0):
+            self.save()
+        if self.dp.is_main and "jsonl" in t.logger and self.logger.path.exists():
+            from appo.trainer.metrics import plot_metrics
+
+            plot_metrics(self.logger.path, PLOT_KEYS, self.out_dir / "plots")
+        self.logger.close()
+        if close:
+            self.tools.close()
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        timer = StepTimer()
+        step_seed = self.cfg.trainer.seed * 100_003 + self.step
+        with timer.measure("rollout"):
+            rollout, by_uid = self.rollout(self.batch_for_step(self.step), f"s{self.step}",
+                                           step_seed)
+        with timer.measure("reward"):
+            mine = rollout.trajectories
+            rewards = self.score(mine, by_uid)
+        # Whole groups are needed for advantages: gather every rank's trajectories.
+        everyone = self.dp.gather_objects(mine)
+        with timer.measure("advantage"):
+            batch, adv_metrics = compute_advantages(TrainBatch.collate(everyone, self.pad_id),
+                                                    self.cfg.algorithm.adv_estimator,
+                                                    self.adv_params)
+            ids = {t.traj_id for t in mine}
+            train = batch.select([i for i, tid in enumerate(batch.traj_ids) if tid in ids])
+        if self.ref_model is not None:
+            with timer.measure("ref_logp"):
+                train.ref_logp = self._logprobs(self.ref_model, train)
+        if self.cfg.actor.ppo_epochs > 1:
+            with timer.measure("old_logp"):
+                train.old_logp = self._logprobs(self.model, train)
+        with timer.measure("update"):
+            update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
+                                   self.cfg.data.max_response_length, self.dp, self.scheduler,
+                                   fsdp=self.fsdp)
+        self._rollout_stale = self.fsdp
+        all_rewards = self.dp.gather_objects(rewards)
+        metrics = rollout_metrics(everyone, all_rewards, rollout.stats)
+        metrics.update(update)
+        metrics.update({f"adv/{k}": v for k, v in adv_metrics.items()})
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        for name, secs in timer.phases.items():
+            metrics[f"time/{name}"] = secs
+        metrics["time/step"] = sum(timer.phases.values())
+        train_tokens = int(train.lengths.sum()) * self.cfg.actor.ppo_epochs
+        metrics["perf/rollout_tokens_per_s"] = rollout.stats.tokens_decoded / max(
+            timer.phases["rollout"], 1e-9)
+        metrics["perf/train_tokens_per_s"] = train_tokens / max(timer.phases["update"], 1e-9)
+        metrics["perf/peak_rss_mb"] = peak_rss_mb()
+        if self.cfg.trainer.rollout_data_dir and self.dp.is_main:
+            self.dump(Path(self.cfg.trainer.rollout_data_dir) / f"step_{self.step + 1:05d}.jsonl",
+                      everyone, [by_uid[t.uid] for t in everyone], all_rewards,
+                      advantages=row_mean_advantages(batch))
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def batch_for_step(self, step: int) -> list:
+        """The prompts of global step `step` (0-based): epoch permutations from the seed, so
+        the data order is a function of the step and resuming needs no extra state."""
+        size = self.cfg.data.train_batch_size
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = list(range(len(self.train_data)))
+        if self.cfg.data.shuffle:
+            random.Random(self.cfg.data.seed + epoch).shuffle(order)
+        return [self.train_data[i] for i in order[within * size : (within + 1) * size]]
+
+    def rollout(self, examples: list, tag: str, step_seed: int, settings=None,
+                strategy: str | None = None):
+        """This rank's share of `examples` rolled out; returns the `RolloutBatch` and the
+        example of every prompt uid (all ranks' uids)."""
+        from appo.rollout import RolloutPrompt, rollout
+        from appo.rollout.scoring import hf_score_fn
+
+        settings = settings or self.settings
+        strategy = strategy or self.cfg.rollout.strategy
+        self.sync_rollout_weights()
+        by_uid = {f"{tag}-{i}": ex for i, ex in enumerate(examples)}
+        prompts = [RolloutPrompt(uid=uid, prompt_ids=self._prompt_ids(ex))
+                   for uid, ex in by_uid.items()]
+        mine = prompts[self.dp.rank :: self.dp.world]
+        if hasattr(self.engine, "generator"):  # hf engine: sampling stream per step and rank
+            self.engine.generator.manual_seed(step_seed * 1_000_003 + self.dp.rank)
+        rng = random.Random(step_seed * 7919 + self.dp.rank)
+        score_fn = (hf_score_fn(self.rollout_model, settings.sampling)
+                    if strategy == "appo" else None)
+        batch = rollout(mine, self.engine, self.tools, settings, strategy=strategy, rng=rng,
+                        score_fn=score_fn)
+        return batch, by_uid
+
+    def score(self, trajs: list, by_uid: dict) -> list:
+        """Reward every trajectory (sets `Trajectory.reward`); returns the `RewardOutput`s."""
+        outputs = []
+        for t in trajs:
+            ex = by_uid[t.uid]
+            text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
+            out = self.reward(ex.data_source, text, ex.ground_truth, ex.extra_info, ex.ability)
+            t.reward = float(out.score)
+            outputs.append(out)
+        return outputs
+
+    def _prompt_ids(self, ex) -> list[int]:
+        # The data stage rendered the chat template when it checked the prompt's length.
+        if ex.prompt_ids is not None:
+            return list(ex.prompt_ids)
+        from appo.data.rl import render_prompt_ids
+
+        return render_prompt_ids(ex.prompt, self.tokenizer)
+
+    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        a = self.cfg.actor
+        return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
+                                a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp)
+
+    def validate(self) -> dict[str, float]:
+        """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""
+        if not self.val_data:
+            return {}
+        return self.evaluate(self.val_data, f"v{self.step}", 10_000_019 + self.step,
+                             n=self.cfg.eval.k).metrics()
+
+    def evaluate(self, examples: list, tag: str, seed: int, n: int,
+                 max_response_length: int | None = None) -> Evaluation:
+        """`n` answers per example under `eval.*` sampling (`appo.trainer.evaluate`)."""
+        from appo.rollout.sampling import SamplingParams
+
+        settings = dataclasses.replace(self.settings, n=n, initial_rollouts=n,
+                                       sampling=SamplingParams.from_config(self.cfg.eval))
+        if max_response_length is not None:
+            settings = dataclasses.replace(settings, max_response_length=max_response_length)
+        return evaluate(self, examples, tag, seed, settings)
+
+    def dump(self, path: Path, trajs: list, examples: list, rewards: list,
+             advantages: list[float] | None = None) -> None:
+        """Trajectories as JSONL (`appo.rollout.write_jsonl`), annotated for `appo view` with
+        their example's data source and answer, reward details and mean advantage."""
+        from appo.rollout import write_jsonl
+
+        notes: list[dict[str, Any]] = []
+        for ex, out in zip(examples, rewards, strict=True):
+            notes.append({"data_source": ex.data_source, "ground_truth": ex.ground_truth,
+                          "accuracy": float(out.accuracy), "format_ok": bool(out.format_ok),
+                          "reason": out.reason})
+        for i, adv in enumerate(advantages or []):
+            notes[i]["advantage"] = adv
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(trajs, path, tokenizer=self.tokenizer, annotations=notes)
+
+    # ------------------------------------------------------------------ weights
+    def sync_rollout_weights(self) -> None:
+        """FSDP: copy the updated shards into the engine's whole replica (a collective)."""
+        if self.fsdp and self._rollout_stale:
+            from appo.trainer.checkpoint import check_keys
+
+            check_keys("(fsdp shards)", *self.rollout_model.load_state_dict(
+                full_model_state(self.model), strict=False))
+            self._rollout_stale = False
+
+    def save(self) -> Path | None:
+        from appo.config import to_container
+        from appo.trainer.checkpoint import save_checkpoint
+
+        extra = {"config": to_container(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
+        optimizer_state = None
+        if self.fsdp:  # gather whole states (collectives: every rank takes part)
+            self.sync_rollout_weights()
+            optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        if not self.dp.is_main:
+            return None
+        return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
+                               self.optimizer, self.scheduler, extra=extra,
+                               optimizer_state=optimizer_state)
+
+    # ------------------------------------------------------------------ set-up
+    def __init__(self, cfg: Any, lm=None, progress: bool = True):
+        from appo.data.rl import rl_data_from_config
+        from appo.models import load_model
+        from appo.rewards import router_from_config
+        from appo.rollout import RolloutSettings, build_engine
+        from appo.tools.registry import build_tools
+        from appo.trainer.checkpoint import resume_training
+        from appo.trainer.metrics import MetricsLogger
+
+        self.cfg = cfg
+        self.dp = DataParallel.from_env()
+        self.progress = progress and self.dp.is_main
+        self.out_dir = Path(cfg.trainer.default_local_dir)
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        device = cfg.model.device
+        if device == "auto" and self.dp.enabled and torch.cuda.is_available():
+            device = f"cuda:{self.dp.rank % torch.cuda.device_count()}"
+        self.lm = lm or load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+        self.model = self.lm.model
+        self.tokenizer = self.lm.tokenizer
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if cfg.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if cfg.actor.freeze_embeddings:
+            self.model.get_input_embeddings().requires_grad_(False)
+            self.model.get_output_embeddings().requires_grad_(False)
+        self.ref_model = None
+        if kl_coef(cfg.actor) != 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # Under FSDP the engine samples from a whole replica, synced after each update.
+        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
+        self.rollout_model = self.model
+        self._rollout_stale = False
+        if self.fsdp:
+            self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            shard_model(self.model, self.dp.world)
+        self.tools = build_tools(cfg.tools)
+        train = rl_data_from_config(cfg, "train", self.tokenizer)
+        self.train_data = train.examples
+        self.val_data = (rl_data_from_config(cfg, "val", self.tokenizer).examples
+                         if cfg.data.val_files else [])
+        if not self.train_data:
+            why = (f": all {train.stats.rows} prompts are longer than data.max_prompt_length="
+                   f"{cfg.data.max_prompt_length} (longest {train.stats.longest} tokens)"
+                   if train.stats.rows and train.stats.skipped_overlong == train.stats.rows else "")
+            raise AppoError(f"data.train_files produced no training prompts{why}")
+        self.reward = router_from_config(cfg)
+        self.reward.check((e.data_source, e.ability) for e in self.train_data + self.val_data)
+        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model))
+        self.settings = RolloutSettings.from_config(cfg)
+        self.adv_params = AdvantageParams(
+            norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+            appo_discount_credit=cfg.algorithm.appo_discount_credit,
+            reward_scale_discount=cfg.rollout.reward_scale_discount,
+        )
+        o = cfg.actor.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+        )
+        self.steps_per_epoch = max(1, len(self.train_data) // cfg.data.train_batch_size)
+        self.total_steps = self.steps_per_epoch * cfg.trainer.total_epochs
+        if cfg.trainer.total_steps is not None:
+            self.total_steps = int(cfg.trainer.total_steps)
+        self.scheduler = self._make_scheduler()
+        self.step = 0
+        if cfg.trainer.resume:
+            self.step = resume_training(self.out_dir, self.model, self.optimizer, self.scheduler,
+                                        fsdp=self.fsdp, rollout_model=self.rollout_model,
+                                        announce=self.dp.is_main)
+        self.logger = MetricsLogger(
+            self.out_dir, list(cfg.trainer.logger), run_name=cfg.trainer.experiment_name,
+            resume=cfg.trainer.resume and self.step > 0, enabled=self.dp.is_main,
+        )
+
+    def _make_scheduler(self):
+        from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+        o, a = self.cfg.actor.optim, self.cfg.actor
+        steps_per_update = a.ppo_epochs * max(
+            1, math.ceil(self.cfg.data.train_batch_size / a.ppo_mini_batch_size))
+        total = self.total_steps * steps_per_update
+        warmup = int(o.lr_warmup_steps_ratio * total)
+        if o.lr_scheduler == "cosine":
+            return get_cosine_schedule_with_warmup(self.optimizer, warmup, total)
+        return get_constant_schedule_with_warmup(self.optimizer, warmup)

@@ -1,0 +1,219 @@
+"""The policy update: log-prob forwards and `ppo_epochs` x mini-batches of a `TrainBatch`.
+
+Reads `actor.*` (an `appo.config.ActorConfig`) directly; `policy_loss_params` is the one
+place the loss's scalar parameters are taken from it. The mathematics is `appo.algos`
+(docs/algorithms.md §3-4); this module only batches it:
+- mini-batches are whole prompt groups (`actor.ppo_mini_batch_size` prompts, verl's unit),
+  so every rank agrees on their number;
+- micro-batches pack rows under a token budget (`actor.ppo_max_token_len_per_device`),
+  a group's prompt computed once (`appo.trainer.forward`);
+- loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
+  so the value and gradient do not depend on micro-batch or rank splits;
+- rows without a trained token (APPO branch rows) never enter the loss.
+With one PPO epoch the behaviour log-probs are the detached log-probs of the update's own
+forward (ratio 1 exactly): the separate no-grad pass verl runs would compute the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from appo.algos import (
+    POLICY_LOSSES,
+    LossAgg,
+    PolicyLossParams,
+    entropy_aware_advantage,
+    entropy_bonus,
+    kl_loss,
+    token_logprobs_and_entropy,
+)
+from appo.trainer.batch import TrainBatch
+from appo.trainer.distributed import DataParallel
+from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
+from appo.trainer.fsdp import idle_step, to_float
+
+
+def policy_loss_params(actor: Any) -> PolicyLossParams:
+    """The policy loss's parameters from `actor.*`."""
+    return PolicyLossParams(
+        clip_low=actor.clip_ratio_low,
+        clip_high=actor.clip_ratio_high,
+        clip_c=actor.clip_ratio_c,
+        entropy_clip_scope=actor.entropy_clip_scope,
+        future_kl_decay_rate=actor.future_kl_decay_rate,
+        future_kl_clip_high=actor.future_kl_clip_high,
+        future_kl_clip_high_only=actor.future_kl_clip_high_only,
+        future_kl_safety_thresh=actor.future_kl_safety_thresh,
+        future_kl_coef=actor.future_kl_coef,
+    )
+
+
+def kl_coef(actor: Any) -> float:
+    return float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0
+
+
+def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
+                      entropy_grad: bool = False, share_prefix: bool = True,
+                      ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Current-policy log-prob (and entropy) of every response token of `batch`.
+
+    Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
+    real response tokens), R = longest response. Log-probs come from the final hidden
+    states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
+    `[b, T, V]` logits never exist; the model itself computes logits for one position only.
+    """
+    device = next(model.parameters()).device
+    hidden = final_hidden_states(model, batch.input_ids, batch.lengths, share_prefix)
+    ids = batch.input_ids[:, : hidden.shape[1]].to(device)
+    resp = batch.response_lens
+    width = int(resp.max()) if len(batch) else 0
+    # Response token j of row i sits at position prompt_len + j and is predicted from the
+    # hidden state one position earlier.
+    j = torch.arange(width)[None, :]
+    valid = (j < resp[:, None]).to(torch.long)
+    pos = (batch.prompt_lens[:, None] - 1 + j) * valid
+    pos, valid = pos.to(device), valid.to(device)
+    gathered = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+    targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1)) * valid
+    head = model.get_output_embeddings()
+    logp, entropy = token_logprobs_and_entropy(
+        gathered, head.weight, targets, bias=getattr(head, "bias", None),
+        chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )
+    logp = logp * valid
+    if entropy is not None:
+        entropy = entropy * valid
+    return logp, entropy, valid
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
+                     share_prefix: bool = True) -> Tensor:
+    """No-grad response log-probs `[B, R]` of every row (old / reference policy),
+    token-budgeted; zero past each row's response."""
+    out = torch.zeros_like(batch.loss_mask)
+    plan = plan_shared_microbatches(batch.input_ids, batch.lengths, max_tokens, batch.uids,
+                                    share_prefix)
+    for idx in plan.batches:
+        logp, _, _ = response_logprobs(model, batch.select(idx), chunk_size, False,
+                                       share_prefix=share_prefix)
+        out[torch.tensor(idx), : logp.shape[1]] = logp.float().cpu()
+    return out
+
+
+def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
+                  dp: DataParallel | None = None, scheduler=None,
+                  fsdp: bool = False) -> dict[str, float]:
+    """`actor.ppo_epochs` x mini-batches of this rank's rows; one optimizer step each.
+
+    `batch` needs `advantages` (and `old_logp` / `ref_logp` when the settings use them).
+    `fsdp`: the model is sharded (`appo.trainer.fsdp`): every rank runs as many forward
+    passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
+    shared-prefix forward is off (its number of model calls depends on the rows).
+    """
+    dp = dp or DataParallel()
+    share_prefix = actor.share_prefix_forward and not fsdp
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = batch.trainable_rows()
+    uid_order = list(dict.fromkeys(batch.uids))
+    per_mb = max(1, actor.ppo_mini_batch_size // dp.world)
+    # All ranks run the same number of optimizer steps: as many mini-batches as the rank
+    # with the most groups needs.
+    n_mini = max(1, dp.max_int(math.ceil(len(uid_order) / per_mb)))
+    sums: Counter = Counter()
+    padded_total = real_total = rows_total = 0
+    model.train()
+    for _epoch in range(actor.ppo_epochs):
+        for m in range(n_mini):
+            mb_uids = set(uid_order[m * per_mb : (m + 1) * per_mb])
+            mini = batch.select([i for i in trainable if batch.uids[i] in mb_uids])
+            n_tok, n_seq = dp.sum_floats([float(mini.loss_mask.sum()),
+                                          float((mini.loss_mask.sum(dim=1) > 0).sum())])
+            agg = LossAgg(actor.loss_agg_mode, max(n_tok, 1.0), max(n_seq, 1.0),
+                          float(max_response_length))
+            plan = plan_shared_microbatches(mini.input_ids, mini.lengths,
+                                            actor.ppo_max_token_len_per_device, mini.uids,
+                                            share_prefix)
+            padded_total += plan.padded_tokens
+            real_total += plan.real_tokens
+            rows_total += plan.rows_tokens
+            # FSDP gathers shards in every forward: all ranks must run as many (decided
+            # before any of them runs, or the collectives would interleave).
+            n_passes = dp.max_int(len(plan.batches)) if fsdp else len(plan.batches)
+            optimizer.zero_grad(set_to_none=True)
+            for mb_idx in plan.batches:
+                # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
+                sums.update(_micro_step(model, mini.select(mb_idx), actor, agg, share_prefix,
+                                        loss_scale=float(dp.world) if fsdp else 1.0))
+            if fsdp:
+                for _ in range(n_passes - len(plan.batches)):
+                    idle_step(model)
+            else:
+                dp.average_gradients(params)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            sums["actor/grad_norm"] += to_float(grad_norm)
+    model.eval()
+    # Loss-valued metrics are shares of the mini-batch value (global normalisers): sum them
+    # over micro-batches and ranks, then average over optimizer steps.
+    if dp.enabled:
+        merged: Counter = Counter()
+        for part in dp.gather_objects([dict(sums)]):
+            merged.update(part)
+        grad_sum = sums["actor/grad_norm"]
+        sums = merged
+        sums["actor/grad_norm"] = grad_sum  # identical on every rank after the all-reduce
+        real_total, padded_total, rows_total = dp.sum_floats(
+            [float(real_total), float(padded_total), float(rows_total)])
+    steps = max(actor.ppo_epochs * n_mini, 1)
+    out = {k: v / steps for k, v in sums.items()}
+    out["actor/padding_frac"] = 1.0 - real_total / padded_total if padded_total else 0.0
+    # Share of the rows' tokens the shared-prefix forward did not have to compute.
+    out["actor/prefix_saving"] = 1.0 - padded_total / rows_total if rows_total else 0.0
+    out["actor/computed_tokens"] = float(padded_total) / max(actor.ppo_epochs, 1)
+    out["actor/optimizer_steps"] = float(steps)
+    return out
+
+
+def _micro_step(model, mb: TrainBatch, actor: Any, agg: LossAgg, share_prefix: bool,
+                loss_scale: float = 1.0) -> dict[str, float]:
+    need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
+        actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
+    )
+    logp, entropy, valid = response_logprobs(
+        model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
+        entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
+    )
+    device = logp.device
+    mask = mb.loss_mask.to(device) * valid
+    adv = mb.advantages.to(device)
+    old = mb.old_logp.to(device) if mb.old_logp is not None else logp.detach()
+    metrics: dict[str, float] = {}
+    if actor.entropy_balanced_advantage:
+        adv, m = entropy_aware_advantage(adv, entropy.detach(), mask,
+                                         alpha=actor.entropy_advantage_alpha)
+        metrics.update({f"actor/{k}": v * float(mask.sum()) / agg.n_tokens for k, v in m.items()})
+    loss, m = POLICY_LOSSES[actor.policy_loss](
+        logp, old, adv, mask, agg=agg, params=policy_loss_params(actor),
+        entropy=None if entropy is None else entropy.detach(),
+    )
+    metrics.update({f"actor/{k}": v for k, v in m.items()})
+    metrics["actor/pg_loss"] = float(loss.detach())
+    if kl_coef(actor) != 0:
+        kl, _ = kl_loss(logp, mb.ref_logp.to(device), mask, agg=agg, kind=actor.kl_loss_type)
+        loss = loss + kl_coef(actor) * kl
+        metrics["actor/kl"] = float(kl.detach())
+    if entropy is not None:
+        ent, _ = entropy_bonus(entropy, mask, agg=agg)
+        metrics["actor/entropy"] = float(ent.detach())
+        if actor.entropy_coeff != 0:
+            loss = loss - actor.entropy_coeff * ent
+    (loss * loss_scale).backward()
+    return metrics
