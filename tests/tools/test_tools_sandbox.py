@@ -6,6 +6,7 @@ lives on, and leave no process or file behind.
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from appo.tools.python_tool import PythonTool, strip_code_fence, truncate_middle
-from appo.tools.sandbox_worker import prepare_code
+from appo.tools.sandbox.runtime import prepare_code
 
 NOBODY = 65534
 
@@ -140,6 +141,19 @@ def test_numpy_and_sympy_are_importable(tool):
     assert result.text == "7.0\n(x - 1)*(x + 1)"
 
 
+def test_code_process_holds_only_the_worker_side_of_appo(tool):
+    # zygote_main loads the worker-side modules from its own directory: not `appo` itself
+    # (under -I it would come from site-packages), not the host side, nothing heavy.
+    code = ("import sys\n"
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('appo', 'torch'))")
+    result = tool.execute(code)
+    assert result.ok, result.text
+    loaded = set(ast.literal_eval(result.text))
+    assert loaded == {"appo.tools.sandbox", "appo.tools.sandbox.child", "appo.tools.sandbox.linux",
+                      "appo.tools.sandbox.mounts", "appo.tools.sandbox.runtime",
+                      "appo.tools.sandbox.supervisor", "appo.tools.sandbox.zygote"}
+
+
 def test_stdlib_modules_outside_the_preload_import_as_the_sandbox_user(tool):
     # The interpreter lives under /root (0700) here; the sandbox exposes only its path.
     result = tool.execute("import xml.dom.minidom, wave, zipfile\nimport os\nos.getuid()")
@@ -154,7 +168,7 @@ def test_error_shows_trimmed_traceback_after_partial_stdout(tool):
     assert not result.ok and result.error_kind == "error"
     assert result.text.startswith("partial\n")
     assert result.text.rstrip().endswith("ZeroDivisionError: division by zero")
-    assert "sandbox_worker" not in result.text  # our own frames are hidden
+    assert "appo/tools/sandbox" not in result.text  # our own frames are hidden
     assert 'File "<python>", line 5, in g' in result.text
     # Trimmed to the last error_lines (8) lines of stderr, plus the stdout line.
     assert len(result.text.splitlines()) <= 1 + 8

@@ -1,7 +1,7 @@
 """Tools the model calls during a rollout: python sandbox, search backends, registry.
 
 Torch-free on purpose: the CLI and the rollout import it; the sandbox zygote runs
-`sandbox_worker.py` as a plain script. Importing this package loads no heavy module (the
+`sandbox/zygote_main.py` as a plain script. Importing this package loads no heavy module (the
 sandbox, bm25s and numpy load when a tool is built).
 
     from appo.tools import ToolCall, build_tools
