@@ -26,13 +26,27 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under `if TYPE_CHECKING:` (annotations only, never executed)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None) if isinstance(child, ast.If) else None
+            if test is not None and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def _imports(name: str, path: Path) -> set[str]:
-    """appo modules `name` imports anywhere in its body (a package for `from pkg import x`
-    unless `x` is itself a module)."""
+    """appo modules `name` imports anywhere in its body, at run time (a package for
+    `from pkg import x` unless `x` is itself a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
