@@ -1,4 +1,5 @@
-"""The tool loop (docs/algorithms.md §1) with a scripted engine: calls, results, limits, budgets, records."""
+"""The tool loop (docs/algorithms.md §1) with a scripted engine: calls, results, limits,
+budgets, records."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from rollout_fakes import FakeTools, ScriptedEngine, Step, tiny_tokenizer
 from appo.errors import AppoError
 from appo.rollout import RolloutPrompt, RolloutSettings, read_jsonl, rollout, write_jsonl
 from appo.rollout.engine import SegmentOutput
-from appo.rollout.loop import LIMIT_MESSAGE, ToolLoop, segment_entropy
+from appo.rollout.loop import LIMIT_MESSAGE, TOOL_LIMIT_MESSAGE, ToolLoop, segment_entropy
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,26 @@ def test_call_limit_notify_lets_the_model_answer(tok):
     assert traj.tool_calls[2].result == LIMIT_MESSAGE.format(limit=2)
     assert traj.finish_reason == "eos"
     assert batch.stats.tool_calls == 2
+
+
+def test_per_tool_limit_notifies_below_the_total_limit(tok):
+    # python may run once; the total limit (5) is not reached: calls 2-4 get the per-tool
+    # notice, do not execute and do not count against the total.
+    eng = ScriptedEngine(tok, calls_then_answer(4))
+    tools = FakeTools()
+    batch = rollout([prompt(tok)], eng, tools,
+                    settings(call_limit=5, tool_call_limits={"python": 1}, on_limit="notify",
+                             max_response_length=2000),
+                    strategy="grpo")
+    [traj] = batch.trajectories
+    assert sum(len(b) for b in tools.batches) == 1
+    assert [c.error_kind for c in traj.tool_calls] == [None, "limit", "limit", "limit"]
+    assert traj.tool_calls[1].result == TOOL_LIMIT_MESSAGE.format(tool="python", limit=1)
+    assert traj.finish_reason == "eos"
+    stopped = rollout([prompt(tok)], ScriptedEngine(tok, calls_then_answer(4)), FakeTools(),
+                      settings(call_limit=5, tool_call_limits={"python": 1}, on_limit="stop"),
+                      strategy="grpo").trajectories[0]
+    assert len(stopped.tool_calls) == 1 and stopped.finish_reason == "call_limit"
 
 
 def test_call_limit_stop_ends_with_eos(tok):

@@ -77,7 +77,7 @@ def _eval(args: argparse.Namespace) -> int:
         benchmarks = load_benchmarks(args.data or list(cfg.data.val_files), cfg.data.template,
                                      tags, cfg.data.prompt_key, args.limit)
         k = int(cfg.eval.k)
-        settings, limits = eval_settings(cfg, k, tags)
+        settings = eval_settings(cfg, k, tags)
         info = {"model": cfg.model.path, "benchmarks": {b.name: b.spec for b in benchmarks}}
         if cfg.eval.base_url:
             from appo.eval.openai_engine import OpenAICompletionsEngine
@@ -109,7 +109,7 @@ def _eval(args: argparse.Namespace) -> int:
 
             judge = Judge(cfg.eval.judge_base_url, cfg.eval.judge_model,
                           cache_path=args.judge_cache, timeout=args.request_timeout)
-        evaluator = Evaluator(engine, tools, tokenizer, settings, limits,
+        evaluator = Evaluator(engine, tools, tokenizer, settings,
                               Grader(router, lenient, judge), batch_size=args.batch_size,
                               log=lambda msg: print(msg, file=sys.stderr, flush=True),
                               run_info=info)

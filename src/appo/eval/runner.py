@@ -13,9 +13,8 @@ score, the strict verdict and the format check; the same function with lenient a
 extraction gives a second verdict for models never taught the `<answer>\\boxed{}` format.
 With a judge (`appo.eval.judge`), samples the rule-based check rejects are judged.
 
-Deviation from `rollout_grpo`: the eval keeps the original's per-tool call limits
-(`eval.tool_call_limits`, e.g. 5 python / 10 search), which the shared loop does not
-have (it has one `tools.call_limit`); `LimitedToolLoop` adds them. A call over its tool's
+The eval keeps the original's per-tool call limits (`eval.tool_call_limits`, e.g. 5 python /
+10 search; `RolloutSettings.tool_call_limits` of the shared loop). A call over its tool's
 limit is answered with a limit notice (`on_limit: notify`) or ends the row (`stop`).
 """
 
@@ -45,10 +44,6 @@ from appo.rollout.records import RolloutStats, Trajectory
 
 SAMPLES_FILE = "samples.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
-TOOL_LIMIT_MESSAGE = (
-    "Tool call limit reached: {tool} may be called at most {limit} times. "
-    "No more {tool} calls: continue without it and give the final answer."
-)
 
 
 # ---------------------------------------------------------------- benchmarks
@@ -90,41 +85,14 @@ def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
     return out
 
 
-# ---------------------------------------------------------------- tool loop with limits
+# ---------------------------------------------------------------- settings
 def tool_limits(limits: dict[str, int] | Any, tags: Sequence[str], default: int) -> dict[str, int]:
     """Per-tool call limits for the configured tool tags (a tag without one gets `default`)."""
     given = dict(limits or {})
     return {tag: int(given.get(tag, default)) for tag in tags}
 
 
-class LimitedToolLoop(ToolLoop):
-    """The shared tool loop plus per-tool call limits (see module docstring)."""
-
-    def __init__(self, engine, tools, settings: RolloutSettings, limits: dict[str, int]):
-        super().__init__(engine, tools, settings)
-        self.limits = dict(limits)
-
-    def _run_calls(self, pending: list) -> None:
-        from appo.tools.base import ToolResult
-
-        allowed = []
-        for p in pending:
-            limit = self.limits.get(p.tool, self.settings.call_limit)
-            used = sum(1 for c in p.row.traj.tool_calls
-                       if c.tool == p.tool and c.error_kind != "limit")
-            if used < limit:
-                allowed.append(p)
-            elif self.settings.on_limit == "stop":
-                self._at_limit(p.row, p.tool)
-            else:
-                text = TOOL_LIMIT_MESSAGE.format(tool=p.tool, limit=limit)
-                self._append_result(p.row, p.tool, p.content,
-                                    ToolResult(text, ok=False, error_kind="limit"))
-        if allowed:
-            super()._run_calls(allowed)
-
-
-def eval_settings(cfg: Any, k: int, tags: Sequence[str]) -> tuple[RolloutSettings, dict[str, int]]:
+def eval_settings(cfg: Any, k: int, tags: Sequence[str]) -> RolloutSettings:
     """Rollout settings of an evaluation: eval.* sampling, response length and tool limits."""
     from appo.rollout.sampling import SamplingParams
 
@@ -136,9 +104,10 @@ def eval_settings(cfg: Any, k: int, tags: Sequence[str]) -> tuple[RolloutSetting
         cfg, n=k, sampling=sampling, max_response_length=int(e.max_response_length),
         # The loop checks the total first; the per-tool limits are the binding ones.
         call_limit=max(1, sum(limits.values())) if limits else int(cfg.tools.call_limit),
+        tool_call_limits=limits,
         max_prompt_length=None,  # an evaluation grades every question it was given
     )
-    return settings, limits
+    return settings
 
 
 # ---------------------------------------------------------------- grading
@@ -230,7 +199,7 @@ class EvalResult:
 
 class Evaluator:
     def __init__(self, engine, tools, tokenizer, settings: RolloutSettings,
-                 limits: dict[str, int], grader: Grader, batch_size: int = 64,
+                 grader: Grader, batch_size: int = 64,
                  log: Callable[[str], None] = print, run_info: dict | None = None):
         if batch_size < 1:
             raise AppoError(f"batch size must be >= 1, got {batch_size}")
@@ -238,7 +207,7 @@ class Evaluator:
         self.tools = tools
         self.tokenizer = tokenizer
         self.settings = settings
-        self.limits = limits
+        self.limits = dict(settings.tool_call_limits or {})
         self.grader = grader
         self.batch_size = batch_size
         self.log = log
@@ -327,7 +296,7 @@ class Evaluator:
     def _run_chunk(self, chunk: list[_Work]) -> tuple[list[tuple[_Work, SampleRecord, str]],
                                                       RolloutStats]:
         """Generate, grade and serialise one chunk: (work, record, trajectory line) each."""
-        loop = LimitedToolLoop(self.engine, self.tools, self.settings, self.limits)
+        loop = ToolLoop(self.engine, self.tools, self.settings)
         prompts = [self._prompt(w.bench, w.index) for w in chunk]
         loop.prepare(list({p.uid: p for p in prompts}.values()))  # one prefill per question
         rows = [loop.start(p) for p in prompts]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from appo.config import DataConfig, RolloutConfig, ToolsConfig
 from appo.errors import AppoError
 from appo.rollout.engine import Engine, SegmentOutput
 from appo.rollout.records import (
@@ -38,6 +39,10 @@ from appo.rollout.stops import tool_stop_strings
 LIMIT_MESSAGE = (
     "Tool call limit reached ({limit} calls). No more tools: give the final answer now."
 )
+TOOL_LIMIT_MESSAGE = (
+    "Tool call limit reached: {tool} may be called at most {limit} times. "
+    "No more {tool} calls: continue without it and give the final answer."
+)
 
 
 class ToolRunner(Protocol):
@@ -49,36 +54,42 @@ class ToolRunner(Protocol):
     def execute_many(self, calls: list) -> list: ...
 
 
+_R, _T, _D = RolloutConfig(), ToolsConfig(), DataConfig()  # the defaults' one source
+
+
 @dataclass
 class RolloutSettings:
-    """Everything the loop and the strategies read, from `rollout.*`, `tools.*`, `data.*`."""
+    """Everything the loop and the strategies read: the rollout's parameters, taken from
+    `rollout.*`, `tools.*` and `data.*` in one place (`from_config`), defaults included."""
 
-    n: int = 16
-    initial_rollouts: int = 8
-    beam_size: int = 2
-    branch_probability: float = 0.5
-    entropy_weight: float = 0.2
-    entropy_window: int = 20
-    entropy_measure: str = "mean"
+    n: int = _R.n
+    initial_rollouts: int = _R.initial_rollouts
+    beam_size: int = _R.beam_size
+    branch_probability: float = _R.branch_probability
+    entropy_weight: float = _R.entropy_weight
+    entropy_window: int = _R.entropy_window
+    entropy_measure: str = _R.entropy_measure
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    result_template: str = " <result>\n{text}\n</result>"
-    on_limit: str = "notify"
-    call_limit: int = 3
-    max_response_length: int = 384
+    result_template: str = _R.result_template
+    on_limit: str = _R.on_limit
+    call_limit: int = _T.call_limit
+    # Per-tool call limits on top of `call_limit` (`eval.tool_call_limits`); None: none.
+    tool_call_limits: dict[str, int] | None = None
+    max_response_length: int = _D.max_response_length
     max_prompt_length: int | None = None
     # aepo
-    initial_entropy_tokens: int = 50
-    beta: float = 0.5
-    branch_penalty: float = 0.05
-    reuse_premonitor: bool = False
+    initial_entropy_tokens: int = _R.initial_entropy_tokens
+    beta: float = _R.beta
+    branch_penalty: float = _R.branch_penalty
+    reuse_premonitor: bool = _R.reuse_premonitor
     # appo
-    appo_gamma: float = 1.0
-    future_value_clip: float = 0.2
+    appo_gamma: float = _R.appo_gamma
+    future_value_clip: float = _R.future_value_clip
     # appo: a row whose |logp_current - logp_rollout| stay within this is on-policy up to
     # recompute noise: rank by entropy. None: by the scoring model's dtype
     # (`appo.rollout.scoring.LR_NOISE_TOL`).
-    lr_noise_tol: float | None = None
-    seed: int = 0
+    lr_noise_tol: float | None = _R.lr_noise_tol
+    seed: int = _R.seed
 
     def __post_init__(self) -> None:
         if self.on_limit not in ("stop", "notify"):
@@ -370,6 +381,8 @@ class ToolLoop:
                     raise AppoError(f"engine stopped on unknown stop string {out.stop_string!r}")
                 if row.calls >= self.settings.call_limit:
                     self._at_limit(row, tool)
+                elif self._over_tool_limit(row, tool):
+                    self._at_tool_limit(row, tool)
                 else:
                     pending.append(_PendingCall(row, tool, self._call_content(row, tool)))
             else:
@@ -417,6 +430,24 @@ class ToolLoop:
         from appo.tools.base import ToolResult
 
         text = LIMIT_MESSAGE.format(limit=self.settings.call_limit)
+        self._append_result(row, tool, self._call_content(row, tool),
+                            ToolResult(text, ok=False, error_kind="limit"))
+
+    def _over_tool_limit(self, row: RowState, tool: str) -> bool:
+        """`settings.tool_call_limits[tool]` executed calls of `tool` already made."""
+        limits = self.settings.tool_call_limits
+        if not limits or tool not in limits:
+            return False
+        used = sum(1 for c in row.traj.tool_calls if c.tool == tool and c.error_kind != "limit")
+        return used >= limits[tool]
+
+    def _at_tool_limit(self, row: RowState, tool: str) -> None:
+        if self.settings.on_limit == "stop":
+            self._at_limit(row, tool)
+            return
+        from appo.tools.base import ToolResult
+
+        text = TOOL_LIMIT_MESSAGE.format(tool=tool, limit=self.settings.tool_call_limits[tool])
         self._append_result(row, tool, self._call_content(row, tool),
                             ToolResult(text, ok=False, error_kind="limit"))
 
