@@ -96,6 +96,18 @@ def test_freeze_embeddings_keeps_the_tied_embeddings(toy):
     assert any(not torch.equal(params[n], p) for n, p in others.items())
 
 
+def test_later_mini_batches_are_scored_against_the_behaviour_policy(toy):
+    # Two prompts, one per mini-batch: the second optimizer step sees a policy the first one
+    # moved, so its ratio must use log-probs computed before the update (verl's
+    # old_log_prob). The detached current log-probs would give ratio 1 and ppo_kl exactly 0.
+    cfg = toy_config(toy, "rollout.strategy=grpo", "actor.ppo_mini_batch_size=1",
+                     "trainer.total_steps=1")
+    [h] = RLTrainer(cfg, progress=False).fit()
+    assert h["actor/optimizer_steps"] == 2
+    assert "time/old_logp" in h
+    assert h["actor/ppo_kl"] != 0.0
+
+
 def test_reward_rises_on_learnable_behaviour(toy):
     cfg = toy_config(toy, "rollout.strategy=grpo", "rollout.n=8", "trainer.total_steps=10",
                      "actor.optim.lr=1e-2", "data.max_response_length=12")

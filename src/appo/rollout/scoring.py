@@ -41,10 +41,10 @@ from appo.rollout.records import Trajectory
 from appo.rollout.sampling import SamplingParams, sampling_log_probs
 
 Z_EPS = 1e-6
-# Default lr_noise_tol by the scoring model's dtype (see module docstring). Largest on-policy
-# |lr| measured (SmolLM2-135M, hf engine vs hf_score_fn, 8 rows x <= 160 tokens, plain and
-# eval sampling): float32 3.9e-5, float16 4.9e-2, bfloat16 0.65. In 16 bits the noise is as
-# large as a real policy change, so there FV counts only when a token moved by more.
+# Default lr_noise_tol by the scoring model's dtype (see module docstring): several times the
+# largest on-policy |lr| `benchmarks/appo_lr_noise.py` measured in each dtype (figures in
+# benchmarks/RESULTS.md). In 16 bits the noise is as large as a real policy change, so there
+# FV counts only when a token moved by more.
 LR_NOISE_TOL = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 0.25,
                 torch.bfloat16: 2.0}
 

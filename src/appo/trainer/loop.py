@@ -3,8 +3,8 @@
 One step (`RLTrainer.train_step`), each hand-off a typed record:
     examples (`RLExample`) -> rollout (`RolloutBatch` of `Trajectory`) -> rewards
     (`RewardOutput`, `Trajectory.reward`) -> `TrainBatch` (tensors, built once) ->
-    advantages -> reference log-probs (only with a KL term) -> old log-probs (only when
-    `actor.ppo_epochs > 1`) -> update (`appo.trainer.update`) -> metrics, rollout dump,
+    advantages -> reference log-probs (only with a KL term) -> old log-probs (only when the
+    update is off-policy: several epochs or mini-batches) -> update (`appo.trainer.update`) -> metrics, rollout dump,
     checkpoint, validation.
 
 Deviations from the original (verl) and why:
@@ -34,7 +34,7 @@ from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
-from appo.trainer.update import batched_logprobs, kl_coef, update_policy
+from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
                 "rollout/branches", "actor/pg_loss", "actor/grad_norm", "time/step",
@@ -102,7 +102,7 @@ class RLTrainer:
         if self.ref_model is not None:
             with timer.measure("ref_logp"):
                 train.ref_logp = self._logprobs(self.ref_model, train)
-        if self.cfg.actor.ppo_epochs > 1:
+        if needs_old_logp(self.cfg.actor, train, self.dp):
             with timer.measure("old_logp"):
                 train.old_logp = self._logprobs(self.model, train)
         with timer.measure("update"):

@@ -10,8 +10,9 @@ place the loss's scalar parameters are taken from it. The mathematics is `appo.a
 - loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
   so the value and gradient do not depend on micro-batch or rank splits;
 - rows without a trained token (APPO branch rows) never enter the loss.
-With one PPO epoch the behaviour log-probs are the detached log-probs of the update's own
-forward (ratio 1 exactly): the separate no-grad pass verl runs would compute the same.
+With one PPO epoch and one mini-batch the behaviour log-probs are the detached log-probs of
+the update's own forward (ratio 1 exactly): the separate no-grad pass verl runs would compute
+the same. With more, that pass runs first (`needs_old_logp`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def policy_loss_params(actor: Any) -> PolicyLossParams:
 
 def kl_coef(actor: Any) -> float:
     return float(actor.kl_loss_coef) if actor.use_kl_loss else 0.0
+
+
+def mini_batches(actor: Any, n_groups: int, dp: DataParallel) -> int:
+    """Optimizer steps per epoch: `actor.ppo_mini_batch_size` prompt groups each (split over
+    ranks), as many as the rank with the most groups needs, so all ranks agree."""
+    per_mb = max(1, actor.ppo_mini_batch_size // dp.world)
+    return max(1, dp.max_int(math.ceil(n_groups / per_mb)))
+
+
+def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
+    """The update is off-policy after its first optimizer step (several epochs or several
+    mini-batches): the behaviour log-probs must then come from a pass before it."""
+    return actor.ppo_epochs > 1 or mini_batches(actor, len(set(batch.uids)), dp) > 1
 
 
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
@@ -111,7 +125,9 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
                   fsdp: bool = False) -> dict[str, float]:
     """`actor.ppo_epochs` x mini-batches of this rank's rows; one optimizer step each.
 
-    `batch` needs `advantages` (and `old_logp` / `ref_logp` when the settings use them).
+    `batch` needs `advantages`, `ref_logp` with a KL term, and `old_logp` when
+    `needs_old_logp` (without it the detached current log-probs stand in: exact for the
+    first optimizer step only).
     `fsdp`: the model is sharded (`appo.trainer.fsdp`): every rank runs as many forward
     passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
     shared-prefix forward is off (its number of model calls depends on the rows).
@@ -122,9 +138,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     trainable = batch.trainable_rows()
     uid_order = list(dict.fromkeys(batch.uids))
     per_mb = max(1, actor.ppo_mini_batch_size // dp.world)
-    # All ranks run the same number of optimizer steps: as many mini-batches as the rank
-    # with the most groups needs.
-    n_mini = max(1, dp.max_int(math.ceil(len(uid_order) / per_mb)))
+    n_mini = mini_batches(actor, len(uid_order), dp)
     sums: Counter = Counter()
     padded_total = real_total = rows_total = 0
     model.train()
