@@ -87,13 +87,33 @@ def tool():
     t.close()
 
 
+def _is_zygote(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"zygote_main.py" in f.read()
+    except OSError:
+        return False
+
+
+def _under_another_sandbox(parents: dict[int, int], pid: int, ours: int) -> bool:
+    """`pid` descends from another process's sandbox zygote (another test run or appo
+    process on this machine), so it is that sandbox's worker, not something ours leaked."""
+    while pid in parents and pid > 1:
+        if pid != ours and _is_zygote(pid):
+            return True
+        pid = parents[pid]
+    return False
+
+
 def _stray_sandbox_uid_processes(tool: PythonTool, before: set[int]) -> set[int]:
-    """New live processes of the sandbox uid that are not an idle sandbox's code process."""
+    """New live processes of the sandbox uid that are not an idle sandbox's code process
+    (ours, or any other sandbox's on the machine)."""
     parents = _process_table()
-    idle_code = {kid for sup in _children(parents, tool.sandbox.pid)
-                 for kid in _children(parents, sup)}
+    ours = tool.sandbox.pid
+    idle_code = {kid for sup in _children(parents, ours) for kid in _children(parents, sup)}
     new_live = {pid for pid in _uid_processes(NOBODY) - before if pid in parents}
-    return new_live - idle_code
+    return {pid for pid in new_live - idle_code
+            if not _under_another_sandbox(parents, pid, ours)}
 
 
 @pytest.fixture
