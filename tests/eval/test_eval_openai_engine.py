@@ -13,8 +13,9 @@ from eval_server import Reply, ScriptedServer, completion
 from appo.eval.http import JsonClient
 from appo.eval.openai_engine import OpenAICompletionsEngine
 from appo.models.tiny import build_tiny_tokenizer
-from appo.rollout.loop import RolloutPrompt, RolloutSettings
+from appo.rollout.loop import RolloutPrompt
 from appo.rollout.sampling import SamplingParams
+from appo.rollout.settings import RolloutSettings
 from appo.rollout.strategies import rollout_grpo
 from appo.tools.base import ToolResult
 

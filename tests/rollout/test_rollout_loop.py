@@ -11,7 +11,8 @@ from rollout_fakes import FakeTools, ScriptedEngine, Step, tiny_tokenizer
 from appo.errors import AppoError
 from appo.rollout import RolloutPrompt, RolloutSettings, read_jsonl, rollout, write_jsonl
 from appo.rollout.engine import SegmentOutput
-from appo.rollout.loop import LIMIT_MESSAGE, TOOL_LIMIT_MESSAGE, ToolLoop, segment_entropy
+from appo.rollout.loop import LIMIT_MESSAGE, TOOL_LIMIT_MESSAGE, ToolLoop
+from appo.rollout.settings import segment_entropy
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,9 @@ from appo.eval.summary import (
     summarize_benchmark,
 )
 from appo.eval.tokens import token_texts
-from appo.rollout.loop import RolloutPrompt, RolloutSettings, RowState, ToolLoop
+from appo.rollout.loop import RolloutPrompt, RowState, ToolLoop
 from appo.rollout.records import RolloutStats, Trajectory
+from appo.rollout.settings import RolloutSettings
 
 SAMPLES_FILE = "samples.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"

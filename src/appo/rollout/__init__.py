@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appo.rollout.loop import RolloutPrompt, RolloutSettings, ToolLoop
+from appo.rollout.loop import RolloutPrompt, ToolLoop
 from appo.rollout.records import (
     BranchEvent,
     RolloutBatch,
@@ -27,6 +27,7 @@ from appo.rollout.records import (
     read_jsonl,
     write_jsonl,
 )
+from appo.rollout.settings import RolloutSettings
 from appo.rollout.strategies import STRATEGIES, get_strategy
 
 # `rollout.name` values (kept in step with appo.config.CHOICES by a test).

@@ -28,15 +28,9 @@ from typing import Any, Protocol
 
 from appo.errors import AppoError
 from appo.rollout.engine import Engine
-from appo.rollout.loop import (
-    RolloutPrompt,
-    RolloutSettings,
-    RowState,
-    ToolLoop,
-    ToolRunner,
-    segment_entropy,
-)
+from appo.rollout.loop import RolloutPrompt, RowState, ToolLoop, ToolRunner
 from appo.rollout.records import BranchEvent, PremonitorRecord, RolloutBatch
+from appo.rollout.settings import RolloutSettings, segment_entropy
 
 ScoreFn = Callable[[list], list]
 
