@@ -17,10 +17,10 @@ Where the speed comes from:
   prompt; at least `MIN_CASCADE_PREFIX` tokens) reads its keys/values once for all rows
   instead of once per row (lean forward, `cascade_attention=True`); one softmax spans the
   shared and the row's own columns, so the result is the same attention.
-- CPU decode steps run their matmuls the way measured fastest on this machine for that
-  many rows (`matmul_plan`: MKL, or the numba kernels of `cpu_kernels`, which beat MKL's
-  small-M float32 GEMM at 8 rows by ~1.3x on an Intel Xeon to ~1.9x on an AMD Zen 5;
-  `cpu_kernel=None` offers them when numba is installed).
+- CPU decode steps run their matmuls by a fixed rule on the row count and the CPU
+  (`appo.rollout.cpu.matmuls`: MKL, or the numba kernels of `appo.rollout.cpu.kernels`,
+  which beat MKL's small-M float32 GEMM on these CPUs; `cpu_kernel=None` uses them when
+  numba is installed).
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
@@ -42,8 +42,8 @@ from torch import Tensor
 from appo.errors import AppoError
 from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
+from appo.rollout.cpu.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
 from appo.rollout.engine import SegmentOutput, fork_point
-from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import SamplingParams, sample
 from appo.rollout.stops import StopChecker, eos_ids_of
@@ -224,14 +224,6 @@ class HFEngine:
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
-
-    def tune_decode(self, max_rows: int) -> dict[int, str]:
-        """Measure now which matmuls CPU decode steps of 1..`max_rows` rows run (done once
-        per machine and model, see `matmul_plan`), so a timed rollout does not pay for it.
-        Returns bucket -> implementation name; empty without the lean forward."""
-        if self._lean is None or self.device.type != "cpu":
-            return {}
-        return self._lean.plan.tune(range(1, max_rows + 1))
 
     def _new(self, row: _Row) -> int:
         rid = self._next_id
