@@ -131,10 +131,12 @@ class MatmulRule:
 
 
 # What each rule is read from: benchmarks/decode_kernel.py, 1 torch thread, on the machine
-# named (benchmarks/RESULTS.md, "CPU decode matmuls"). MKL takes slower code paths on AMD
-# CPUs than on Intel ones, so the vendor matters as much as the vector width.
+# named (benchmarks/RESULTS.md, "CPU decode matmuls"). MKL's small-batch GEMM did far
+# better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
+# width.
 RULES: dict[str, MatmulRule] = {
-    # AMD EPYC Zen 4 (and Zen 5): the row kernel at 1-6 rows, the wide one from 8 rows up.
+    # AMD EPYC Zen 4: the row kernel up to 7 rows, the wide one from 8 (on a Zen 5 the
+    # wide one led from 6 rows, by little).
     "amd-avx512": MatmulRule.parse("1:numba,8:numba_wide"),
     # AMD EPYC Zen 3: the row kernel up to 12 rows; from 16 rows it ties MKL.
     "amd-avx2": MatmulRule.parse("1:numba,16:torch"),
