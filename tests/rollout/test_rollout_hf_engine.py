@@ -102,6 +102,14 @@ def test_shared_prefill_and_counters(lm):
     eng.decode([rows[0], *kids], [2] * 3, SamplingParams())
     # pending = last sampled token + result; one computation for the three rows
     assert eng.counters.prefilled - before == 1 + len(result)
+    # Branches from the middle of a row (appo), made in one fork: they share the truncated
+    # cache, so their one pending token is computed once for all three.
+    at = len(prompt) + 2
+    late = eng.fork(rows[1], 3, at=at)
+    before = eng.counters.prefilled, eng.counters.reused
+    eng.decode(late, [1] * 3, SamplingParams())
+    assert eng.counters.prefilled - before[0] == 1
+    assert eng.counters.reused - before[1] == 3 * (at - 1) + 2
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
