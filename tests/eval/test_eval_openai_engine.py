@@ -124,7 +124,7 @@ def test_stop_detection(server, tok, reply, segment_before, finish, stop):
     rid = engine.add_row(tok.encode("prompt:", add_special_tokens=False))
     if segment_before:
         # Text sampled earlier in this segment (no append since): part of the same segment.
-        engine._rows[rid].ids.extend(tok.encode(segment_before, add_special_tokens=False))
+        engine.rows[rid].ids.extend(tok.encode(segment_before, add_special_tokens=False))
     [out] = engine.decode([rid], [100], PARAMS)
     assert (out.finish, out.stop_string) == (finish, stop)
     text = tok.decode(out.token_ids)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from appo.models.compat import cache_argument
-from appo.rollout.hf_engine import _BatchCache
+from appo.rollout.hf_batch import BatchCache
 from appo.trainer.forward import _PrefixCache
 
 
@@ -50,7 +50,7 @@ def test_caches_accept_old_and_new_update_calls():
         k, v = call(prefix)
         assert k is key and v is value
         buf = torch.zeros(1, 2, 1, 2, 5, 4)  # [layers, k/v, rows, heads, T, head_dim]
-        batch = _BatchCache(buf, length=1)
+        batch = BatchCache(buf, length=1)
         k, v = call(batch)
         assert torch.equal(k[:, :, 1:4], key) and torch.equal(v[:, :, 1:4], value)
         assert k.shape[2] == 4

@@ -102,6 +102,14 @@ def test_shared_prefill_and_counters(lm):
     eng.decode([rows[0], *kids], [2] * 3, SamplingParams())
     # pending = last sampled token + result; one computation for the three rows
     assert eng.counters.prefilled - before == 1 + len(result)
+    # Branches from the middle of a row (appo), made in one fork: they share the truncated
+    # cache, so their one pending token is computed once for all three.
+    at = len(prompt) + 2
+    late = eng.fork(rows[1], 3, at=at)
+    before = eng.counters.prefilled, eng.counters.reused
+    eng.decode(late, [1] * 3, SamplingParams())
+    assert eng.counters.prefilled - before[0] == 1
+    assert eng.counters.reused - before[1] == 3 * (at - 1) + 2
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
@@ -317,10 +325,10 @@ def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
 @pytest.mark.parametrize("name", ["torch", "torch_weight_first", "numba", "numba_wide"])
 def test_decode_steps_match_full_forward_with_every_matmul_implementation(lm, name,
                                                                          monkeypatch):
-    from appo.rollout import cpu_kernels, matmul_plan
+    from appo.rollout.cpu import kernels, matmuls
 
-    impl = matmul_plan.IMPLEMENTATIONS[name]
-    if impl.kernel and not cpu_kernels.available():
+    impl = matmuls.IMPLEMENTATIONS[name]
+    if impl.kernel and not kernels.available():
         pytest.skip("numba CPU kernels are not available")
     calls = []
 
@@ -328,10 +336,9 @@ def test_decode_steps_match_full_forward_with_every_matmul_implementation(lm, na
         calls.append(x.reshape(-1, x.shape[-1]).shape[0])
         return impl.linear(x, weight, bias)
 
-    monkeypatch.setitem(matmul_plan.IMPLEMENTATIONS, name,
-                        matmul_plan.Implementation(name, spy, impl.head, impl.kernel, impl.wide))
-    monkeypatch.setenv(matmul_plan.FORCE_ENV, name)
-    monkeypatch.setattr(cpu_kernels, "wide_registers", lambda: True)  # exact on AVX2 too
+    monkeypatch.setitem(matmuls.IMPLEMENTATIONS, name,
+                        matmuls.Implementation(name, spy, impl.head, impl.kernel))
+    monkeypatch.setenv(matmuls.FORCE_ENV, name)
     tok = lm.tokenizer
     eng = HFEngine(lm.model, tok, seed=4)
     rec = Recorder(eng)
@@ -345,49 +352,84 @@ def test_decode_steps_match_full_forward_with_every_matmul_implementation(lm, na
     assert calls and max(calls) == 14 and min(calls) <= 2
 
 
-def test_each_decode_step_runs_the_implementation_measured_fastest_for_its_size(
-        lm, monkeypatch, tmp_path):
-    from appo.rollout import matmul_plan
+def test_each_decode_step_runs_the_implementation_its_rule_names(lm, monkeypatch, tmp_path):
+    from appo.rollout.cpu import matmuls
 
-    monkeypatch.setattr(matmul_plan, "_MEMORY", {})
-    monkeypatch.delenv(matmul_plan.FORCE_ENV, raising=False)
+    monkeypatch.setenv(matmuls.FORCE_ENV, "1:torch_weight_first,5:torch")
     monkeypatch.setenv("APPO_CACHE", str(tmp_path))
-    fastest = {"torch": lambda rows: rows > 4, "torch_weight_first": lambda rows: rows <= 4}
-    monkeypatch.setattr(matmul_plan.DecodeMatmulPlan, "time_step",
-                        lambda self, impl, rows: 0.1 if fastest.get(impl.name, lambda r: 0)(
-                            rows) else 1.0)
     used: list[tuple[str, int]] = []
     for name in ("torch", "torch_weight_first"):
-        impl = matmul_plan.IMPLEMENTATIONS[name]
+        impl = matmuls.IMPLEMENTATIONS[name]
 
         def spy(x, weight, bias=None, impl=impl):
             used.append((impl.name, x.reshape(-1, x.shape[-1]).shape[0]))
             return impl.linear(x, weight, bias)
 
-        monkeypatch.setitem(matmul_plan.IMPLEMENTATIONS, name,
-                            matmul_plan.Implementation(name, spy, impl.head))
+        monkeypatch.setitem(matmuls.IMPLEMENTATIONS, name,
+                            matmuls.Implementation(name, spy, impl.head))
     tok = lm.tokenizer
     # compact_fraction=0: a row that stops leaves the batch at once, so the 8 rows shrink
     # by one per decode step.
     eng = HFEngine(lm.model, tok, seed=1, cpu_kernel=False, compact_fraction=0.0)
     rows = eng.fork(eng.add_row(tok.encode("which matmuls")), 8)
     eng.decode(rows, [2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
-    steps = {(name, rows) for name, rows in used}
-    # Steps of <= 4 rows ran W @ x^T, larger ones F.linear (7 rows: bucket 6's choice).
-    assert steps == {("torch", r) for r in range(5, 9)} | {
+    # Steps of <= 4 rows ran W @ x^T, larger ones F.linear.
+    assert set(used) == {("torch", r) for r in range(5, 9)} | {
         ("torch_weight_first", r) for r in range(1, 5)}
-    assert eng.tune_decode(8) == {b: ("torch_weight_first" if b <= 4 else "torch")
-                                  for b in (1, 2, 3, 4, 5, 6, 8)}
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing kept on disk
 
 
 def test_cpu_kernel_can_be_switched_off_by_environment(lm, monkeypatch):
     from appo.errors import AppoError
-    from appo.rollout import cpu_kernels
+    from appo.rollout.cpu import kernels
 
     monkeypatch.setenv("APPO_CPU_KERNELS", "0")
-    assert not cpu_kernels.available()
+    assert not kernels.available()
     lean = HFEngine(lm.model, lm.tokenizer)._lean
-    assert not lean.cpu_kernel
-    assert not any(impl.kernel for impl in lean.plan.candidates)
+    assert not lean.cpu_kernel and not lean.rule.kernels
     with pytest.raises(AppoError, match="cpu_kernel=True needs numba"):
         HFEngine(lm.model, lm.tokenizer, cpu_kernel=True)
+
+
+WITHOUT_NUMBA = """
+import sys
+sys.modules["numba"] = None  # `import numba` now raises ImportError, as on an install without it
+sys.path.insert(0, sys.argv[1])
+from rollout_fakes import Recorder
+from appo.errors import AppoError
+from appo.models import load_model
+from appo.rollout.cpu import kernels
+from appo.rollout.hf_engine import HFEngine
+from appo.rollout.sampling import SamplingParams
+
+assert kernels.numba is None and not kernels.available()
+lm = load_model("tiny-test", device="cpu")
+tok = lm.tokenizer
+eng = HFEngine(lm.model, tok, seed=4)
+assert eng._lean is not None and not eng._lean.rule.kernels, eng._lean.rule
+rec = Recorder(eng)
+rows = rec.fork(eng.add_row(tok.encode("no numba here")), 6)
+outs = rec.decode(rows, [3, 5, 7, 9, 11, 13], SamplingParams())
+assert [len(o.token_ids) for o in outs] == [3, 5, 7, 9, 11, 13]
+print(max(rec.max_error(lm.model, r) for r in rows))
+try:
+    HFEngine(lm.model, tok, cpu_kernel=True)
+except AppoError as e:
+    print("refused:", e)
+"""
+
+
+def test_without_numba_the_engine_decodes_exactly_with_torch(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    script = tmp_path / "without_numba.py"
+    script.write_text(WITHOUT_NUMBA)
+    done = subprocess.run([sys.executable, str(script), str(here)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    error, refused = done.stdout.strip().splitlines()
+    assert float(error) < TOL
+    assert refused.startswith("refused: cpu_kernel=True needs numba")

@@ -1,9 +1,10 @@
 """The rollout `Engine` protocol over an OpenAI-compatible completions endpoint (e.g. vLLM).
 
-Each row is its token ids so far, kept locally; `decode` sends one `POST /v1/completions`
-per row (concurrently; the server batches) with the row as the prompt, the tool closing
-tags as `stop`, the row's remaining budget as `max_tokens`, and the sampling parameters
-(`top_k` / `repetition_penalty` are vLLM extensions, sent only when not neutral).
+Each row is its token ids so far, kept locally (`appo.rollout.rows.RowTable`, as in every
+engine); `decode` sends one `POST /v1/completions` per row (concurrently; the server
+batches) with the row as the prompt, the tool closing tags as `stop`, the row's remaining
+budget as `max_tokens`, and the sampling parameters (`top_k` / `repetition_penalty` are
+vLLM extensions, sent only when not neutral).
 `append` adds forced tokens (tool results) locally; the next request carries them. So the
 tool loop and the strategies run unchanged on a remote model.
 
@@ -29,24 +30,18 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from appo.errors import AppoError
 from appo.eval.http import HttpError, JsonClient, endpoint, served_model
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.records import EngineCounters
+from appo.rollout.rows import Row, RowTable, TableRows
 
 PROMPT_FORMATS = ("ids", "text")
 
 
-@dataclass
-class _Row:
-    ids: list[int]
-    seg_start: int  # first token of the current model segment
-
-
-class OpenAICompletionsEngine:
+class OpenAICompletionsEngine(TableRows):
     name = "openai"
 
     def __init__(
@@ -78,64 +73,24 @@ class OpenAICompletionsEngine:
         self.stop_strings: list[str] = []
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_id = None if eos is None else int(eos)
-        self._rows: dict[int, _Row] = {}
-        self._next_id = 0
+        self.rows: RowTable[Row] = RowTable()
         self._requests = 0
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
         self.stop_strings = [s for s in stop_strings if s]
 
-    def _get(self, rid: int) -> _Row:
-        try:
-            return self._rows[rid]
-        except KeyError:
-            raise AppoError(f"engine row {rid} does not exist (released?)") from None
-
-    def _new(self, row: _Row) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        self._rows[rid] = row
-        return rid
-
-    def add_row(self, prompt_ids: list[int]) -> int:
-        if not prompt_ids:
-            raise AppoError("cannot start a row from an empty prompt")
-        return self._new(_Row(list(prompt_ids), len(prompt_ids)))
-
     def prefill(self, rows: list[int]) -> None:
         """Nothing to do: the server caches prefixes itself (vLLM prefix caching)."""
-        for rid in rows:
-            self._get(rid)
-
-    def fork(self, row: int, k: int = 1, at: int | None = None,
-             segment_start: int | None = None) -> list[int]:
-        src = self._get(row)
-        ids, seg = src.ids, src.seg_start
-        if at is not None:
-            if not 1 <= at <= len(ids):
-                raise AppoError(f"fork position {at} outside row of {len(ids)} tokens")
-            ids = ids[:at]
-            seg = min(seg, at)
-        if segment_start is not None:
-            seg = segment_start
-        return [self._new(_Row(list(ids), seg)) for _ in range(k)]
-
-    def append(self, row: int, token_ids: list[int]) -> None:
-        r = self._get(row)
-        r.ids.extend(int(t) for t in token_ids)
-        r.seg_start = len(r.ids)
-
-    def row_ids(self, row: int) -> list[int]:
-        return list(self._get(row).ids)
+        self.rows.many(rows)  # unknown or released rows fail here, as in the other engines
 
     def release(self, rows: list[int]) -> None:
+        super().release(rows)
         for rid in rows:
-            self._rows.pop(rid, None)
             self.errors.pop(rid, None)
 
     # ------------------------------------------------------------------ decode
-    def _payload(self, row: _Row, budget: int, params) -> dict[str, Any]:
+    def _payload(self, row: Row, budget: int, params) -> dict[str, Any]:
         prompt: Any = row.ids
         if self.prompt_format == "text":
             prompt = self.tokenizer.decode(row.ids, skip_special_tokens=False)
@@ -160,7 +115,7 @@ class OpenAICompletionsEngine:
             payload["seed"] = int(self.seed) + self._requests
         return payload
 
-    def _stop_of(self, choice: dict[str, Any], text: str, row: _Row) -> tuple[str, str | None]:
+    def _stop_of(self, choice: dict[str, Any], text: str, row: Row) -> tuple[str, str | None]:
         """(finish, stop_string) of a finished choice; `text` is the returned text."""
         reason = choice.get("finish_reason")
         if reason == "length":
@@ -204,7 +159,7 @@ class OpenAICompletionsEngine:
 
     def _one(self, rid: int, budget: int, payload: dict[str, Any]
              ) -> tuple[SegmentOutput, int, int, str | None]:
-        row = self._get(rid)
+        row = self.rows[rid]
         try:
             data = self.client.call(self.url, payload)
             choices = data.get("choices")
@@ -244,7 +199,7 @@ class OpenAICompletionsEngine:
         if not live:
             return outputs
         # Payloads are built here, in order, so per-request seeds do not depend on threads.
-        payloads = [self._payload(self._get(rows[i]), max_new_tokens[i], params) for i in live]
+        payloads = [self._payload(self.rows[rows[i]], max_new_tokens[i], params) for i in live]
         workers = min(self.max_concurrency, len(live))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="appo-http") as pool:
             results = list(pool.map(lambda j: self._one(rows[live[j]], max_new_tokens[live[j]],
@@ -257,6 +212,5 @@ class OpenAICompletionsEngine:
             if error is not None:
                 self.errors[rid] = error
                 continue
-            row = self._rows[rid]
-            row.ids.extend(out.token_ids)
+            self.rows[rid].ids.extend(out.token_ids)
         return outputs

@@ -14,7 +14,8 @@ It knows nothing of tools, rewards or strategies. Operations:
   EOS or the row's budget; returns ids with behaviour log-prob and entropy per token.
 - `release(rows)`: free rows (and their cache) that will not be used again.
 
-`counters` (tokens prefilled / decoded / reused) are cumulative; callers diff them.
+`counters` (tokens prefilled / decoded / reused) are cumulative; callers diff them. The row
+operations are implemented once, in `appo.rollout.rows`, for every engine.
 """
 
 from __future__ import annotations
@@ -22,20 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from appo.errors import AppoError
 from appo.rollout.records import EngineCounters
 from appo.rollout.sampling import SamplingParams
-
-
-def fork_point(ids: list[int], seg_start: int, at: int | None,
-               segment_start: int | None) -> tuple[list[int], int]:
-    """The tokens and current-segment start of a fork (`Engine.fork`): `at` truncates to the
-    first `at` tokens (the segment start moves back with it), `segment_start` overrides."""
-    if at is not None:
-        if not 1 <= at <= len(ids):
-            raise AppoError(f"fork position {at} outside row of {len(ids)} tokens")
-        ids, seg_start = ids[:at], min(seg_start, at)
-    return list(ids), seg_start if segment_start is None else segment_start
 
 
 @dataclass

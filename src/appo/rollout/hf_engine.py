@@ -1,9 +1,10 @@
 """`hf` engine: batched sampling on a transformers causal LM with a row-managed KV cache.
 
 Where the speed comes from:
-- Each row owns an immutable key/value block (`_KV`) covering all its tokens but the last
-  ("pending") ones. Forks share the block, so a branch starts from its parent's cache and
-  the shared prefix is never recomputed; tool results are prefilled onto the existing cache.
+- Each row owns an immutable key/value block (`hf_batch.KVBlock`) covering all its tokens
+  but the last ("pending") ones. Forks share the block, so a branch starts from its parent's
+  cache and the shared prefix is never recomputed; tool results are prefilled onto the
+  existing cache.
 - A `decode` call first prefills every row's pending tokens, deduplicated: rows with the same
   cache block and the same pending tokens (a prompt group, a parent and its branches after
   a tool result) are computed once and then sample independently.
@@ -17,10 +18,10 @@ Where the speed comes from:
   prompt; at least `MIN_CASCADE_PREFIX` tokens) reads its keys/values once for all rows
   instead of once per row (lean forward, `cascade_attention=True`); one softmax spans the
   shared and the row's own columns, so the result is the same attention.
-- CPU decode steps run their matmuls the way measured fastest on this machine for that
-  many rows (`matmul_plan`: MKL, or the numba kernels of `cpu_kernels`, which beat MKL's
-  small-M float32 GEMM at 8 rows by ~1.3x on an Intel Xeon to ~1.9x on an AMD Zen 5;
-  `cpu_kernel=None` offers them when numba is installed).
+- CPU decode steps run their matmuls by a fixed rule on the row count and the CPU
+  (`appo.rollout.cpu.matmuls`: MKL, or the numba kernels of `appo.rollout.cpu.kernels`,
+  which beat MKL's small-M float32 GEMM on these CPUs; `cpu_kernel=None` uses them when
+  numba is installed).
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
@@ -29,12 +30,14 @@ through later layers' keys/values. Padding columns inside a row's range are neve
 (masked write), so a row's cache only ever holds keys/values of its own tokens.
 
 The recorded log-prob/entropy are those of the sampling distribution (see `sampling`).
+Rows live in a `RowTable` (`appo.rollout.rows`, shared with the other engines); the state of
+one decode call (buffer, batch slots, cached lengths, active rows) is a
+`hf_batch.DecodeBatch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -42,71 +45,16 @@ from torch import Tensor
 from appo.errors import AppoError
 from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
-from appo.rollout.engine import SegmentOutput, fork_point
-from appo.rollout.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
+from appo.rollout.cpu.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
+from appo.rollout.engine import SegmentOutput
+from appo.rollout.hf_batch import BatchCache, DecodeBatch, HFRow, KVBlock, gather_rows
 from appo.rollout.records import EngineCounters
+from appo.rollout.rows import RowTable, TableRows
 from appo.rollout.sampling import SamplingParams, sample
 from appo.rollout.stops import StopChecker, eos_ids_of
 
 MIN_SHARED_PREFIX = 16  # shorter common prefixes are not worth a separate forward
 MIN_CASCADE_PREFIX = 64  # shorter shared prefixes are not worth a separate attention matmul
-
-
-class _KV:
-    """Keys/values `[layers, 2, kv_heads, length, head_dim]` of a row's first `length` tokens.
-
-    Immutable once made (often a view into a finished batch buffer); shared between forks.
-    """
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: Tensor):
-        self.data = data
-
-    @property
-    def length(self) -> int:
-        return int(self.data.shape[3])
-
-    def prefix(self, length: int) -> _KV:
-        return self if length == self.length else _KV(self.data[:, :, :, :length])
-
-
-@dataclass
-class _Row:
-    ids: list[int]
-    kv: _KV | None
-    seg_start: int  # first token of the current model segment (for stop strings)
-
-    @property
-    def kv_len(self) -> int:
-        return 0 if self.kv is None else self.kv.length
-
-
-class _BatchCache:
-    """The cache object handed to the model: writes new keys/values into the buffer.
-
-    Only `update` and `get_seq_length` are used by transformers' decoder layers once a 4D
-    mask and explicit position ids are given. `write_mask` (`[rows, T]` bool) protects
-    columns that hold a row's earlier tokens from padding queries' keys/values.
-    """
-
-    def __init__(self, buf: Tensor, length: int):
-        self.buf = buf
-        self.length = length  # columns filled before the current forward
-        self.write_mask: Tensor | None = None
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *_: object, **__: object):
-        lo, hi = self.length, self.length + key.shape[2]
-        for slot, new in ((0, key), (1, value)):
-            dst = self.buf[layer_idx, slot, :, :, lo:hi]
-            if self.write_mask is None:
-                dst.copy_(new)
-            else:
-                dst.copy_(torch.where(self.write_mask[:, None, :, None], new, dst))
-        return self.buf[layer_idx, 0, :, :, :hi], self.buf[layer_idx, 1, :, :, :hi]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
 
 
 class _TransposedLinears:
@@ -153,7 +101,7 @@ class _TransposedLinears:
         return False
 
 
-class HFEngine:
+class HFEngine(TableRows):
     """The `hf` engine (see module docstring). Works on CPU and CUDA."""
 
     name = "hf"
@@ -208,12 +156,11 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.counters = EngineCounters()
-        self._rows: dict[int, _Row] = {}
-        self._next_id = 0
+        self.rows: RowTable[HFRow] = RowTable(HFRow)
         self._stops = StopChecker(tokenizer, [], self.eos_ids)
         self.set_stop_strings(stop_strings or [])
 
-    # ------------------------------------------------------------------ rows
+    # ------------------------------------------------------------------ settings
     def set_stop_strings(self, stop_strings: list[str]) -> None:
         if tuple(stop_strings) != tuple(self._stops.stop_strings):
             self._stops = StopChecker(self.tokenizer, list(stop_strings), self.eos_ids)
@@ -225,58 +172,6 @@ class HFEngine:
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
-    def tune_decode(self, max_rows: int) -> dict[int, str]:
-        """Measure now which matmuls CPU decode steps of 1..`max_rows` rows run (done once
-        per machine and model, see `matmul_plan`), so a timed rollout does not pay for it.
-        Returns bucket -> implementation name; empty without the lean forward."""
-        if self._lean is None or self.device.type != "cpu":
-            return {}
-        return self._lean.plan.tune(range(1, max_rows + 1))
-
-    def _new(self, row: _Row) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        self._rows[rid] = row
-        return rid
-
-    def _get(self, rid: int) -> _Row:
-        try:
-            return self._rows[rid]
-        except KeyError:
-            raise AppoError(f"engine row {rid} does not exist (released?)") from None
-
-    def add_row(self, prompt_ids: list[int]) -> int:
-        if not prompt_ids:
-            raise AppoError("cannot start a row from an empty prompt")
-        return self._new(_Row(list(prompt_ids), None, len(prompt_ids)))
-
-    def fork(self, rid: int, k: int = 1, at: int | None = None,
-             segment_start: int | None = None) -> list[int]:
-        """`k` copies of a row sharing its cache; `at` truncates the copies to `at` tokens."""
-        row = self._get(rid)
-        ids, seg = fork_point(row.ids, row.seg_start, at, segment_start)
-        kv = row.kv
-        if kv is not None and kv.length > len(ids) - 1:
-            kv = kv.prefix(len(ids) - 1)  # the last kept token stays pending
-        return [self._new(_Row(list(ids), kv, seg)) for _ in range(k)]
-
-    def append(self, rid: int, token_ids: list[int]) -> None:
-        """Forced tokens (e.g. a tool result); a new model segment starts after them."""
-        row = self._get(rid)
-        row.ids.extend(int(t) for t in token_ids)
-        row.seg_start = len(row.ids)
-
-    def row_ids(self, rid: int) -> list[int]:
-        return list(self._get(rid).ids)
-
-    def release(self, rids: list[int]) -> None:
-        for rid in rids:
-            self._rows.pop(rid, None)
-
-    @property
-    def live_rows(self) -> int:
-        return len(self._rows)
-
     # ------------------------------------------------------------------ forward helpers
     def _alloc(self, rows: int, capacity: int) -> Tensor:
         # Uninitialised on purpose: every column is written before it is read, except the
@@ -287,14 +182,6 @@ class HFEngine:
             dtype=self.dtype,
             device=self.device,
         )
-
-    def _gather(self, buf: Tensor, slots: list[int], lo: int, hi: int, capacity: int) -> Tensor:
-        """A new buffer holding columns [lo, hi) of the given batch rows (row-wise copies:
-        much faster than advanced indexing of a 6-D tensor)."""
-        out = self._alloc(len(slots), capacity)
-        for j, s in enumerate(slots):
-            out[:, :, j, :, : hi - lo] = buf[:, :, s, :, lo:hi]
-        return out
 
     def _mask(self, start: Tensor, length: int, steps: int) -> Tensor:
         """Additive mask `[rows, 1, steps, length + steps]`: query q (column length+q) of row r
@@ -309,7 +196,7 @@ class HFEngine:
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return mask[:, None]
 
-    def _forward(self, cache: _BatchCache, input_ids: Tensor, positions: Tensor,
+    def _forward(self, cache: BatchCache, input_ids: Tensor, positions: Tensor,
                  start: Tensor, shared_kv: Tensor | None = None) -> Tensor:
         """`shared_kv` (`[layers, 2, kv_heads, P, head_dim]`, decode steps of the lean
         forward): the keys/values of the first P tokens every row shares, read once."""
@@ -337,7 +224,7 @@ class HFEngine:
         cache.length += steps
         return out.logits[:, -1, :]
 
-    def _seen(self, rows: list[_Row], params: SamplingParams) -> Tensor | None:
+    def _seen(self, rows: list[HFRow], params: SamplingParams) -> Tensor | None:
         if params.repetition_penalty == 1.0:
             return None
         seen = torch.zeros((len(rows), self.vocab_size), dtype=torch.bool, device=self.device)
@@ -356,7 +243,7 @@ class HFEngine:
             max_new_tokens = [max_new_tokens] * len(rids)
         if len(set(rids)) != len(rids):
             raise AppoError("decode got the same row twice")
-        rows = [self._get(r) for r in rids]
+        rows = self.rows.many(rids)
         if not self.reuse_cache:  # baseline mode: recompute every context from scratch
             for row in rows:
                 row.kv = None
@@ -369,29 +256,29 @@ class HFEngine:
         ends = [len(r.ids) for r in rows_live]
         buf, length, start, logits, rep_of = self._prefill(rows_live, ends, max(budgets))
         if len(set(rep_of)) != len(rows_live):  # deduplicated rows: one batch row each now
-            buf = self._gather(buf, rep_of, 0, length, buf.shape[4])
+            buf = gather_rows(buf, rep_of, 0, length, buf.shape[4])
             index = torch.tensor(rep_of, device=self.device)
             start = start.index_select(0, index)
             logits = logits.index_select(0, index)
-        self._decode_loop(rows_live, [outputs[i] for i in live], budgets, params,
-                          buf, length, start, logits)
+        batch = DecodeBatch(rows_live, buf, length, start, logits, self._seen(rows_live, params),
+                            self._shared_prefix_kv(rows_live, buf, start))
+        self._decode_loop(batch, [outputs[i] for i in live], budgets, params)
         return outputs
 
     @torch.inference_mode()
     def prefill(self, rids: list[int]) -> None:
         """Cache every token but the last of each row now (e.g. a prompt root before its
         forks), so later forks share it instead of each decode call recomputing it."""
-        rows = [self._get(r) for r in rids]
-        rows = [r for r in rows if len(r.ids) - r.kv_len > 1]
+        rows = [r for r in self.rows.many(rids) if len(r.ids) - r.kv_len > 1]
         if not rows or not self.reuse_cache:
             return
         ends = [len(r.ids) - 1 for r in rows]
         buf, _, start, _, rep_of = self._prefill(rows, ends, 0)
         for row, slot, end in zip(rows, rep_of, ends, strict=True):
             first = int(start[slot])
-            row.kv = _KV(buf[:, :, slot, :, first : first + end])
+            row.kv = KVBlock(buf[:, :, slot, :, first : first + end])
 
-    def _prefill(self, rows: list[_Row], ends: list[int], max_budget: int):
+    def _prefill(self, rows: list[HFRow], ends: list[int], max_budget: int):
         """One forward over every row's uncached tokens `ids[kv_len:end]`, deduplicated.
 
         Rows with the same cache block and the same tokens to add are computed once. Returns
@@ -433,8 +320,8 @@ class HFEngine:
             pos[j, p_max - p[j] :] = torch.arange(c[j], total[j])
             write[j, p_max - p[j] :] = True
         start = torch.tensor([n_max - t for t in total], device=self.device)
-        cache = _BatchCache(buf, n_max - p_max)
-        cache.write_mask = None if bool(write.all()) else write.to(self.device)
+        cache = BatchCache(buf, n_max - p_max,
+                           None if bool(write.all()) else write.to(self.device))
         logits = self._forward(cache, ids.to(self.device), pos.to(self.device), start)
         self.counters.prefilled += sum(p)
         rep_set = set(reps)
@@ -444,7 +331,7 @@ class HFEngine:
         )
         return buf, n_max, start, logits, rep_of
 
-    def _share_common_prefix(self, rows: list[_Row], ends: list[int]) -> None:
+    def _share_common_prefix(self, rows: list[HFRow], ends: list[int]) -> None:
         """Rows with no cache that start with the same tokens (different prompts under one
         system prompt) get that prefix computed once and shared, like a fork would.
 
@@ -458,16 +345,16 @@ class HFEngine:
         shared = common_prefix_length([r.ids for r, _ in fresh], min(e for _, e in fresh) - 1)
         if shared < MIN_SHARED_PREFIX:
             return
-        root = _Row(list(first[:shared]), None, shared)
+        root = HFRow(list(first[:shared]), shared)
         buf, _, start, _, _ = self._prefill([root], [shared], 0)
-        kv = _KV(buf[:, :, 0, :, int(start[0]) : int(start[0]) + shared])
+        kv = KVBlock(buf[:, :, 0, :, int(start[0]) : int(start[0]) + shared])
         for row, _ in fresh:
             row.kv = kv
         # The caller counts every row's cached prefix as reused; one copy was computed here
         # (and counted as prefilled), so prefilled + reused stays the tokens of the contexts.
         self.counters.reused -= shared
 
-    def _shared_prefix_kv(self, rows: list[_Row], buf: Tensor, start: Tensor) -> Tensor | None:
+    def _shared_prefix_kv(self, rows: list[HFRow], buf: Tensor, start: Tensor) -> Tensor | None:
         """A copy of the keys/values of the tokens all rows start with, for decode attention
         that reads them once (`LeanDecoder` only; rows are batch slots 0..n-1 here)."""
         if self._lean is None or not self.cascade_attention or len(rows) < 2:
@@ -478,96 +365,47 @@ class HFEngine:
         first = int(start[0])
         return buf[:, :, 0, :, first : first + shared].clone()
 
-    def _decode_loop(self, rows: list[_Row], outs: list[SegmentOutput], budgets: list[int],
-                     params: SamplingParams, buf: Tensor, length: int, start: Tensor,
-                     logits: Tensor) -> None:
-        for row in rows:
-            row.kv = None  # rebuilt as a view of the batch buffer when the loop ends
-        seen = self._seen(rows, params)
-        shared_kv = self._shared_prefix_kv(rows, buf, start)
-        slot = list(range(len(rows)))  # batch index of each row, -1 once it left the batch
-        kv_len = [len(r.ids) for r in rows]  # tokens cached per row (all of ids right now)
-        active = [True] * len(rows)
-        n_active = len(rows)
+    def _decode_loop(self, batch: DecodeBatch, outs: list[SegmentOutput], budgets: list[int],
+                     params: SamplingParams) -> None:
+        """Sample, drop stopped rows, step the batch; until every row has stopped."""
         while True:
-            batch_rows = [i for i in range(len(rows)) if slot[i] >= 0]
-            # Sample the next token of every active row in the batch.
-            act = [i for i in batch_rows if active[i]]
-            idx = torch.tensor([slot[i] for i in act], device=self.device)
+            act = batch.sampling()
+            idx = batch.slots_of(act)
             tok, lp, ent, ent_top = sample(
-                logits.index_select(0, idx), params, self.generator,
-                None if seen is None else seen.index_select(0, idx),
+                batch.logits.index_select(0, idx), params, self.generator,
+                None if batch.seen is None else batch.seen.index_select(0, idx),
             )
-            tok_l, lp_l, ent_l = tok.tolist(), lp.tolist(), ent.tolist()
-            top_l = ent_top.tolist()
-            for k, i in enumerate(act):
-                row, out = rows[i], outs[i]
-                t = tok_l[k]
-                row.ids.append(t)
+            for i, t, logp, h, h_top in zip(act, tok.tolist(), lp.tolist(), ent.tolist(),
+                                            ent_top.tolist(), strict=True):
+                batch.add_token(i, t)
+                out = outs[i]
                 out.token_ids.append(t)
-                out.logps.append(lp_l[k])
-                out.entropies.append(ent_l[k])
-                out.topk_entropies.append(top_l[k])
-                if seen is not None:
-                    seen[slot[i], t] = True
-                if t in self.eos_ids:
-                    out.finish = "eos"
-                else:
-                    tail = row.ids[max(row.seg_start, len(row.ids) - self._stops.window) :]
-                    hit = self._stops.check(tail)
-                    if hit is not None:
-                        out.finish, out.stop_string = "stop", hit
-                    elif len(out.token_ids) >= budgets[i]:
-                        out.finish = "length"
-                    else:
-                        continue
-                active[i] = False
-                n_active -= 1
-            if n_active == 0:
+                out.logps.append(logp)
+                out.entropies.append(h)
+                out.topk_entropies.append(h_top)
+                if self._finished(batch.rows[i], out, budgets[i]):
+                    batch.stop(i)
+            if not batch.any_active:
                 break
-            # Compact: drop stopped rows from the batch once they are a large share of it.
-            in_batch = len(batch_rows)
-            stopped = [i for i in batch_rows if not active[i]]
-            if stopped and len(stopped) >= max(1, int(self.compact_fraction * in_batch)):
-                for i in stopped:
-                    rows[i].kv = _KV(buf[:, :, slot[i], :, int(start[slot[i]]) : int(start[slot[i]]) + kv_len[i]])
-                keep = [i for i in batch_rows if active[i]]
-                keep_slots = torch.tensor([slot[i] for i in keep], device=self.device)
-                new_start = start.index_select(0, keep_slots)
-                lo = int(new_start.min())
-                cap = buf.shape[4] - lo
-                buf = self._gather(buf, [slot[i] for i in keep], lo, length, cap)
-                start, length = new_start - lo, length - lo
-                if seen is not None:
-                    seen = seen.index_select(0, keep_slots)
-                logits = logits.index_select(0, keep_slots)
-                for i in stopped:
-                    slot[i] = -1
-                for s, i in enumerate(keep):
-                    slot[i] = s
-                batch_rows = keep
-            if length >= buf.shape[4]:
-                buf = self._gather(buf, list(range(buf.shape[2])), 0, length,
-                                   buf.shape[4] + self.capacity_chunk)
-            # One decode step for the rows in the batch (stopped ones are holes).
-            b = len(batch_rows)
-            ids = torch.full((b, 1), self.pad_id, dtype=torch.long)
-            pos = torch.zeros((b, 1), dtype=torch.long)
-            for i in batch_rows:
-                if active[i]:
-                    ids[slot[i], 0] = rows[i].ids[-1]
-                    pos[slot[i], 0] = kv_len[i]
-            cache = _BatchCache(buf, length)
-            logits = self._forward(cache, ids.to(self.device), pos.to(self.device), start,
-                                   shared_kv if b >= 2 else None)
-            length += 1
-            n_act_step = 0
-            for i in batch_rows:
-                if active[i]:
-                    kv_len[i] += 1
-                    n_act_step += 1
-            self.counters.decoded += n_act_step
-        for i, row in enumerate(rows):
-            if slot[i] >= 0:
-                s = slot[i]
-                row.kv = _KV(buf[:, :, s, :, int(start[s]) : int(start[s]) + kv_len[i]])
+            batch.compact(self.compact_fraction)
+            batch.ensure_room(self.capacity_chunk)
+            ids, pos = batch.step_inputs(self.pad_id)
+            logits = self._forward(batch.cache(), ids.to(self.device), pos.to(self.device),
+                                   batch.start, batch.shared_kv if batch.size >= 2 else None)
+            self.counters.decoded += batch.advance(logits)
+        batch.close()
+
+    def _finished(self, row: HFRow, out: SegmentOutput, budget: int) -> bool:
+        """Whether the row's segment ends with the token just sampled (EOS, a stop string in
+        the current segment, or the budget); sets `out.finish` / `out.stop_string`."""
+        if row.ids[-1] in self.eos_ids:
+            out.finish = "eos"
+            return True
+        hit = self._stops.check(row.ids[max(row.seg_start, len(row.ids) - self._stops.window) :])
+        if hit is not None:
+            out.finish, out.stop_string = "stop", hit
+            return True
+        if len(out.token_ids) >= budget:
+            out.finish = "length"
+            return True
+        return False

@@ -1,10 +1,11 @@
 """`vllm` engine (GPU, optional extra `appo[vllm]`): the engine protocol on `vllm.LLM`.
 
-Rows are token-id lists kept here; every `decode` sends each row's whole context as
-`prompt_token_ids` (token in) and reads back the sampled `token_ids` with their log-probs
-(token out); nothing is re-tokenised. Prefix caching (on by default) makes the resent
-context cheap: the shared prompt of a group, a parent's prefix in its branches and the
-earlier rounds of a row are served from vLLM's cache. `counters.reused` is vLLM's
+Rows are token-id lists kept here (`appo.rollout.rows.RowTable`, as in every engine); every
+`decode` sends each row's whole context as `prompt_token_ids` (token in) and reads back the
+sampled `token_ids` with their log-probs (token out); nothing is re-tokenised. Prefix
+caching (on by default) makes the resent context cheap: the shared prompt of a group, a
+parent's prefix in its branches and the earlier rounds of a row are served from vLLM's
+cache. `counters.reused` is vLLM's
 `num_cached_tokens`, when the installed version reports it.
 
 vLLM is imported lazily (only `from_config` imports it); the engine itself takes any object
@@ -29,20 +30,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from appo.errors import AppoError
-from appo.rollout.engine import SegmentOutput, fork_point
+from appo.rollout.engine import SegmentOutput
 from appo.rollout.records import EngineCounters
+from appo.rollout.rows import Row, RowTable, TableRows
 from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 from appo.rollout.stops import StopChecker
-
-
-@dataclass
-class _VRow:
-    ids: list[int]
-    seg_start: int  # first token of the current model segment (for stop strings)
 
 
 def entropy_from_top_logprobs(logprobs: list[float]) -> tuple[float, float]:
@@ -67,7 +62,7 @@ def _default_sampling_params(**kwargs: Any) -> Any:
     return VSamplingParams(**kwargs)
 
 
-class VLLMEngine:
+class VLLMEngine(TableRows):
     name = "vllm"
 
     def __init__(
@@ -87,8 +82,7 @@ class VLLMEngine:
         self.logprobs = logprobs
         self._make_params = sampling_params_factory or _default_sampling_params
         self.counters = EngineCounters()
-        self._rows: dict[int, _VRow] = {}
-        self._next_id = 0
+        self.rows: RowTable[Row] = RowTable()
         self._requests = 0
 
     @classmethod
@@ -125,43 +119,8 @@ class VLLMEngine:
             self.stop_strings = list(stop_strings)
             self._stops = StopChecker(self.tokenizer, self.stop_strings, frozenset())
 
-    def _get(self, rid: int) -> _VRow:
-        try:
-            return self._rows[rid]
-        except KeyError:
-            raise AppoError(f"engine row {rid} does not exist (released?)") from None
-
-    def _new(self, ids: list[int], seg_start: int | None = None) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        self._rows[rid] = _VRow(list(ids), len(ids) if seg_start is None else seg_start)
-        return rid
-
-    def add_row(self, prompt_ids: list[int]) -> int:
-        if not prompt_ids:
-            raise AppoError("cannot start a row from an empty prompt")
-        return self._new(prompt_ids)
-
     def prefill(self, rids: list[int]) -> None:
         """Nothing to do: vLLM's prefix cache shares the prompt between a group's rows."""
-
-    def fork(self, rid: int, k: int = 1, at: int | None = None,
-             segment_start: int | None = None) -> list[int]:
-        row = self._get(rid)
-        ids, seg = fork_point(row.ids, row.seg_start, at, segment_start)
-        return [self._new(ids, seg) for _ in range(k)]
-
-    def append(self, rid: int, token_ids: list[int]) -> None:
-        row = self._get(rid)
-        row.ids.extend(int(t) for t in token_ids)
-        row.seg_start = len(row.ids)
-
-    def row_ids(self, rid: int) -> list[int]:
-        return list(self._get(rid).ids)
-
-    def release(self, rids: list[int]) -> None:
-        for rid in rids:
-            self._rows.pop(rid, None)
 
     # ------------------------------------------------------------------ decode
     def _params(self, params: SamplingParams, budget: int) -> Any:
@@ -188,7 +147,7 @@ class VLLMEngine:
         live = [i for i, b in enumerate(max_new_tokens) if b > 0]
         if not live:
             return outputs
-        rows = [self._get(rids[i]) for i in live]
+        rows = [self.rows[rids[i]] for i in live]
         prompts = [{"prompt_token_ids": list(r.ids)} for r in rows]
         sampling = [self._params(params, max_new_tokens[i]) for i in live]
         results = self.llm.generate(prompts, sampling, use_tqdm=False)
@@ -198,7 +157,7 @@ class VLLMEngine:
             outputs[i] = self._segment(row, result)
         return outputs
 
-    def _segment(self, row: _VRow, result: Any) -> SegmentOutput:
+    def _segment(self, row: Row, result: Any) -> SegmentOutput:
         comp = result.outputs[0]
         ids = [int(t) for t in comp.token_ids]
         if comp.logprobs is None or len(comp.logprobs) != len(ids):
@@ -229,7 +188,7 @@ class VLLMEngine:
         row.ids.extend(ids)
         return SegmentOutput(ids, logps, ents, finish, stop_string, topk_entropies=tops)
 
-    def _straddled_stop(self, row: _VRow, new: list[int]) -> tuple[int, str] | None:
+    def _straddled_stop(self, row: Row, new: list[int]) -> tuple[int, str] | None:
         """(tokens to keep, stop string) if one of the first new tokens completes a stop
         string that began before this call in the row's current segment (see module
         docstring); None otherwise."""

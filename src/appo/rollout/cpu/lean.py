@@ -3,24 +3,22 @@
 Same math as the transformers modules, fewer and bigger operations, which is what a CPU
 decode step (weight-bandwidth bound at a few rows) rewards:
 - Q/K/V and gate/up projections packed into one `[out, in]` matrix each (two GEMMs per
-  layer fewer). An `[in, out]` transposed copy was faster on an earlier Intel machine but
-  ~10% slower per decode step on this one (AMD Zen 3, MKL), so the plain layout is kept;
-  the output and down projections use the model's own weights, no copy.
+  layer fewer). The plain layout is kept (an `[in, out]` transposed copy was slower on AMD
+  CPUs); the output and down projections use the model's own weights, no copy.
 - fused `F.rms_norm`, grouped-query attention without `repeat_kv`, no per-module Python
   dispatch; decode attention can take a shared prefix's keys/values once for all rows
   (`SharedPrefix`).
-- CPU decode steps run their projections and LM head the way measured fastest on this
-  machine for that many rows (`matmul_plan`): torch (MKL; the LM head in row blocks),
-  torch as `W @ x^T`, or the numba kernels of `cpu_kernels` (~1.3x MKL at 8 rows on an
-  Intel Xeon, ~1.6x on an AMD Zen 3, ~1.9x on a Zen 5). Prefill and GPU steps use torch.
+- CPU decode steps run their projections and LM head the way `matmuls` picks for that
+  many rows: torch (MKL; the LM head in row blocks), torch as `W @ x^T`, or the numba
+  kernels of `kernels`. Prefill and GPU steps use torch.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
 picked up with no sync call. The model object is never modified; the trainer's
 forward/backward are unaffected.
 
-Anything outside the supported family (another architecture, sliding-window attention, a
-non-SiLU MLP, tensor-parallel pretraining splits) makes `LeanDecoder.supports` False and the
-engine uses the model's own forward.
+The engine uses it on GPU too (with torch matmuls). Anything outside the supported family
+(another architecture, sliding-window attention, a non-SiLU MLP, tensor-parallel pretraining
+splits) makes `LeanDecoder.supports` False and the engine uses the model's own forward.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from appo.errors import AppoError
-from appo.rollout import cpu_kernels
-from appo.rollout.matmul_plan import DEFAULT, DecodeMatmulPlan, Implementation
+from appo.rollout.cpu import kernels
+from appo.rollout.cpu.matmuls import DEFAULT, Implementation, MatmulRule, decode_rule
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -91,12 +89,12 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 class LeanDecoder:
     def __init__(self, model, cpu_kernel: bool | None = None):
-        """`cpu_kernel`: use the numba decode kernel where it is faster (None: when numba
-        is installed; True: require it)."""
-        if cpu_kernel and not cpu_kernels.available():
-            raise AppoError("cpu_kernel=True needs numba (pip install numba) and "
-                            "APPO_CPU_KERNELS unset or 1")
-        self.cpu_kernel = cpu_kernels.available() if cpu_kernel is None else cpu_kernel
+        """`cpu_kernel`: let decode steps use the numba kernels (None: when numba is
+        installed and `APPO_CPU_KERNELS` is not 0; True: require them)."""
+        if cpu_kernel and not kernels.available():
+            raise AppoError("cpu_kernel=True needs numba (pip install 'appo[cpu-kernels]') "
+                            "and APPO_CPU_KERNELS unset or 1")
+        self.cpu_kernel = kernels.available() if cpu_kernel is None else cpu_kernel
         self.model = model
         self.base = model.model
         config = model.config
@@ -108,7 +106,8 @@ class LeanDecoder:
         self.scale = self.head_dim**-0.5
         self._key: tuple | None = None
         self._layers: list[_Layer] = []
-        self._plan: DecodeMatmulPlan | None = None
+        weight = next(model.parameters())
+        self.rule: MatmulRule = decode_rule(weight.dtype, weight.device, self.cpu_kernel)
 
     @staticmethod
     def supports(model) -> bool:
@@ -160,26 +159,22 @@ class LeanDecoder:
             self._layers = []  # drop the old copies before making new ones
             self._pack()
             self._key = key
-            self._plan = None  # measured choices live in matmul_plan, keyed by shapes
 
-    @property
-    def plan(self) -> DecodeMatmulPlan:
-        """Which matmuls a CPU decode step of a given size runs (measured once per machine)."""
-        if self._plan is None:
-            self.refresh()
-            weights = [w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-            head = self.model.lm_head
-            head = head.weight.detach() if type(head) is torch.nn.Linear else None
-            self._plan = DecodeMatmulPlan(weights, head, use_kernels=self.cpu_kernel)
-        return self._plan
+    def matrices(self) -> list[Tensor]:
+        """The weights a decode step multiplies, in order: every layer's packed QKV, O,
+        packed gate/up and down, then the LM head (when it is a plain `nn.Linear`)."""
+        self.refresh()
+        out = [w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        head = self.model.lm_head
+        return out + ([head.weight.detach()] if type(head) is torch.nn.Linear else [])
 
     # ------------------------------------------------------------------ forward
     def _matmuls(self, input_ids: Tensor) -> Implementation:
-        """How this forward runs its projections and LM head (see `matmul_plan`)."""
+        """How this forward runs its projections and LM head (see `matmuls`)."""
         batch, steps = input_ids.shape
         if steps != 1 or input_ids.device.type != "cpu":
             return DEFAULT
-        return self.plan.implementation(batch)
+        return self.rule.implementation(batch)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
         """One query per row: `[B, H, 1, d]` against `[B, KV, L, d]` keys/values.

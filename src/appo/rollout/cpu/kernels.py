@@ -1,25 +1,23 @@
-"""A float32 `x @ W^T` for decode steps on CPU (a few rows against a big weight), in numba.
+"""Float32 `x @ W^T` for CPU decode steps (a few rows against a big weight), in numba.
 
-At 8 rows a decode step's matmuls are neither bandwidth- nor compute-bound for MKL: its
-small-M float32 GEMM runs at ~20 GFLOP/s on this project's machine (AMD Zen 3, AVX2, one
-thread), a third of what the core does on cached data. This kernel walks the weight once,
-one row at a time, and dots it with eight (then four, then single) input rows while it
-stays in L1; LLVM vectorises the dot products (8 lanes). Measured on the same machine:
-~30 GFLOP/s streaming the SmolLM2-135M weights at 8 rows, 1.56x MKL per decode step
-(`benchmarks/decode_kernel.py`, figures in `benchmarks/RESULTS.md`).
+A decode step multiplies one row per sequence by every weight matrix. MKL's small-M float32
+GEMM streams the weights well below the memory bandwidth at such shapes; these kernels walk
+the weight once and keep each weight row in L1 while every input row is dotted with it.
+LLVM vectorises the dot products.
 
-With AVX-512 (32 vector registers) that kernel is load-bound past 4 rows: it reloads every
-input row for every weight row. There a second kernel takes eight weight rows against two
-input rows (16 accumulators, 10 loads per 16 multiply-adds): on an AMD Zen 5 it is 1.35x
-the first at 8 rows, and 1.9x MKL at 8 rows, 1.8x at 48 (MKL's single-thread small-M GEMM
-is weak on these AMD cores). On an Intel Xeon (AVX-512) the kernels win only at 4-12
-rows, and lose to MKL at 1-3 and at 16 or more; so which one runs, if any, is not decided
-here but measured per machine and row count (`appo.rollout.matmul_plan`).
+- `rows_times_weight_t` ("numba"): one weight row at a time against eight, then four, then
+  single input rows.
+- `weight_blocks_times_row_pairs` ("numba_wide"): eight weight rows against two input rows,
+  16 accumulators. It needs 32 vector registers (AVX-512) to pay off: with AVX-512 the first
+  kernel is load-bound past a few rows, reloading every input row for every weight row.
 
-Only the rollout engine's lean decoder uses it, never training; sums are reassociated
+Which kernel (or MKL) a decode step runs is decided in `appo.rollout.cpu.matmuls`; timings
+per CPU are in `benchmarks/RESULTS.md` (`benchmarks/decode_kernel.py`).
+
+Only the rollout engine's lean decoder uses them, never training; sums are reassociated
 (`fastmath`), so results differ from MKL's in the last bits, like any other GEMM. numba is
-optional: without it (or with `APPO_CPU_KERNELS=0`) `available()` is False and callers
-use `torch.mm`.
+an optional extra (`pip install 'appo[cpu-kernels]'`): without it (or with
+`APPO_CPU_KERNELS=0`) `available()` is False and decode steps use torch, only slower.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:  # optional dependency: the lean decoder falls back to MKL without it
+try:  # optional extra: the lean decoder falls back to torch without it
     import numba
 except ImportError:  # pragma: no cover - exercised on installs without numba
     numba = None
@@ -142,8 +140,11 @@ def _build_wide():
 
 @functools.cache
 def wide_registers() -> bool:
-    """Whether the CPU numba compiles for has AVX-512 (32 vector registers)."""
-    from llvmlite import binding
+    """Whether the CPU numba compiles for has AVX-512 (32 vector registers); False
+    without numba."""
+    if numba is None:
+        return False
+    from llvmlite import binding  # numba's own LLVM binding
 
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 

@@ -1,0 +1,9 @@
+"""The hf engine's decode path for CPUs.
+
+- `lean`: a lean forward for Llama-family decoders (packed projections, grouped-query and
+  shared-prefix decode attention); the engine uses it on any device.
+- `matmuls`: which matmuls a CPU decode step runs, by a fixed rule on the row count and the
+  CPU (`APPO_DECODE_MATMUL` overrides it).
+- `kernels`: the numba matmul kernels, from the optional extra `appo[cpu-kernels]`; without
+  numba decode steps use torch, only slower.
+"""

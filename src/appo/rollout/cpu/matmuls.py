@@ -1,0 +1,205 @@
+"""Which matmuls a CPU decode step runs: a fixed rule by row count and CPU, overridable.
+
+A decode step multiplies a few rows (one per sequence) by every weight matrix of the model.
+Four implementations compute it (`IMPLEMENTATIONS`, all `F.linear` up to summation order):
+torch (MKL; the LM head in row blocks), torch as `(W @ x^T)^T`, and the two numba kernels of
+`appo.rollout.cpu.kernels`. Which is fastest depends on the CPU and on the row count, so the
+default is a `MatmulRule` (row count -> implementation) picked by `default_rule` from the
+CPU's vendor, its AVX-512 support and whether the kernels are installed; each rule was read
+off `benchmarks/decode_kernel.py` on a machine of that kind (tables in
+`benchmarks/RESULTS.md`). Nothing is measured at run time and nothing is stored: a seed's
+rollouts depend only on the machine and the environment.
+
+`APPO_DECODE_MATMUL` overrides the rule: one implementation name for every step
+(`APPO_DECODE_MATMUL=torch`), or a rule such as `1:numba,8:numba_wide,96:torch` (each
+implementation from its row count up), e.g. the last line `benchmarks/decode_kernel.py`
+prints on a machine none of the rules describes. `APPO_CPU_KERNELS=0` leaves the numba
+kernels out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from appo.errors import AppoError
+from appo.rollout.cpu import kernels
+
+HEAD_BLOCK = 1024
+FORCE_ENV = "APPO_DECODE_MATMUL"
+
+
+def linear_weight_first(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear` computed as `(W @ x^T)^T`: the same product, which MKL runs faster than
+    `F.linear` at 2-5 rows on AMD CPUs (slower on Intel)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.mm(weight, rows.t()).t().contiguous()
+    y = y if bias is None else y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def head_in_blocks(x: Tensor, weight: Tensor) -> Tensor:
+    """`x @ weight.T` (`[B, V]`) in blocks of `HEAD_BLOCK` weight rows: MKL runs a tall LM
+    head (49k x 576) slower in one call than in blocks."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    for lo in range(0, weight.shape[0], HEAD_BLOCK):
+        block = weight[lo : lo + HEAD_BLOCK]
+        torch.mm(x, block.t(), out=out[:, lo : lo + block.shape[0]])
+    return out
+
+
+def _numba_linear(wide: bool):
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return kernels.linear(x, weight, bias, wide=wide)
+
+    return linear
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run a decode step's matmuls: `linear` for the projections
+    (`F.linear` semantics) and `head` for the LM head (`x @ W^T`, no bias)."""
+
+    name: str
+    linear: Callable[..., Tensor]
+    head: Callable[[Tensor, Tensor], Tensor]
+    kernel: bool = False  # needs numba (appo.rollout.cpu.kernels)
+
+
+_NUMBA = _numba_linear(False)
+_NUMBA_WIDE = _numba_linear(True)
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "torch": Implementation("torch", F.linear, head_in_blocks),
+    "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
+                                         head_in_blocks),
+    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True),
+    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True),
+}
+DEFAULT = IMPLEMENTATIONS["torch"]
+
+
+@dataclass(frozen=True)
+class MatmulRule:
+    """Row count -> implementation: `steps` are `(first row count, name)`, ascending from 1;
+    each name serves row counts from its own up to the next step's."""
+
+    steps: tuple[tuple[int, str], ...]
+
+    def __post_init__(self):
+        firsts = [rows for rows, _ in self.steps]
+        if not firsts or firsts[0] != 1 or firsts != sorted(set(firsts)):
+            raise AppoError(f"a decode matmul rule starts at 1 row and rises: {self}")
+        unknown = [name for _, name in self.steps if name not in IMPLEMENTATIONS]
+        if unknown:
+            raise AppoError(f"{', '.join(unknown)}: not a decode matmul implementation "
+                            f"(choose from {', '.join(IMPLEMENTATIONS)})")
+
+    @classmethod
+    def parse(cls, text: str) -> MatmulRule:
+        """`"numba"` (one implementation for every step) or `"1:numba,8:numba_wide"`."""
+        text = text.strip()
+        if ":" not in text:
+            return cls(((1, text),))
+        steps = []
+        for part in text.split(","):
+            rows, sep, name = part.partition(":")
+            if not sep or not rows.strip().isdigit():
+                raise AppoError(f"decode matmul rule {text!r}: expected rows:name, got {part!r}")
+            steps.append((int(rows), name.strip()))
+        return cls(tuple(steps))
+
+    def __str__(self) -> str:
+        return ",".join(f"{rows}:{name}" for rows, name in self.steps)
+
+    def name_for(self, rows: int) -> str:
+        return [name for first, name in self.steps if first <= max(rows, 1)][-1]
+
+    def implementation(self, rows: int) -> Implementation:
+        return IMPLEMENTATIONS[self.name_for(rows)]
+
+    @property
+    def kernels(self) -> bool:
+        return any(IMPLEMENTATIONS[name].kernel for _, name in self.steps)
+
+
+# What each rule is read from: benchmarks/decode_kernel.py, 1 torch thread, on the machine
+# named (benchmarks/RESULTS.md, "CPU decode matmuls"). MKL's small-batch GEMM did far
+# better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
+# width.
+RULES: dict[str, MatmulRule] = {
+    # AMD EPYC Zen 4: the row kernel up to 7 rows, the wide one from 8 (on a Zen 5 the
+    # wide one led from 6 rows, by little).
+    "amd-avx512": MatmulRule.parse("1:numba,8:numba_wide"),
+    # AMD EPYC Zen 3: the row kernel up to 12 rows; from 16 rows it ties MKL.
+    "amd-avx2": MatmulRule.parse("1:numba,16:torch"),
+    # Intel Xeon (Emerald Rapids): MKL at 1-3 rows and from 16 rows up, the wide kernel
+    # in between.
+    "intel-avx512": MatmulRule.parse("1:torch,4:numba_wide,16:torch"),
+    # AMD without the kernels: MKL runs `W @ x^T` faster at 2-5 rows (Zen 3 and Zen 4).
+    "amd-torch": MatmulRule.parse("1:torch,2:torch_weight_first,6:torch"),
+    "torch": MatmulRule.parse("torch"),
+}
+# The rules were measured at 1 and 2 torch threads; the kernels run on one. With more
+# threads MKL's threaded GEMM is the safer default.
+MAX_RULE_THREADS = 2
+
+
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """The CPU's `vendor` (e.g. AuthenticAMD, GenuineIntel) and `model` name."""
+    info = {"vendor": "", "model": platform.processor() or platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                info["vendor"] = value.strip()
+            elif key.strip() == "model name":
+                info["model"] = value.strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def rule_name(use_kernels: bool, vendor: str, avx512: bool, threads: int) -> str:
+    """The `RULES` entry for a CPU (see the table's comments)."""
+    if threads > MAX_RULE_THREADS:
+        return "torch"
+    if vendor == "AuthenticAMD":
+        return ("amd-avx512" if avx512 else "amd-avx2") if use_kernels else "amd-torch"
+    if vendor == "GenuineIntel" and use_kernels and avx512:
+        return "intel-avx512"
+    return "torch"
+
+
+def default_rule(use_kernels: bool) -> MatmulRule:
+    """The rule for this machine (no override), with or without the numba kernels."""
+    avx512 = use_kernels and kernels.wide_registers()
+    return RULES[rule_name(use_kernels, cpu_info()["vendor"], avx512, torch.get_num_threads())]
+
+
+def decode_rule(dtype: torch.dtype, device: torch.device, use_kernels: bool) -> MatmulRule:
+    """The rule a lean decoder's decode steps follow: `APPO_DECODE_MATMUL` if set, else
+    `default_rule`. Only float32 on CPU has a choice (the kernels are float32 CPU code)."""
+    text = os.environ.get(FORCE_ENV, "").strip()
+    forced = MatmulRule.parse(text) if text else None
+    if device.type != "cpu" or dtype != torch.float32:
+        if forced is not None and forced != RULES["torch"]:
+            raise AppoError(f"{FORCE_ENV}={text} does not apply to a {dtype} model on "
+                            f"{device.type} (only torch does)")
+        return RULES["torch"]
+    if forced is None:
+        return default_rule(use_kernels)
+    if forced.kernels and not use_kernels:
+        raise AppoError(f"{FORCE_ENV}={text} needs the numba CPU kernels, which are off "
+                        "(numba missing: pip install 'appo[cpu-kernels]'; or "
+                        "APPO_CPU_KERNELS=0 or cpu_kernel=False)")
+    return forced
