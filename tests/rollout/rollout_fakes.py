@@ -47,6 +47,9 @@ class ScriptedEngine:
     def set_stop_strings(self, stop_strings):
         self.stop_strings = list(stop_strings)
 
+    def reseed(self, seed):
+        pass  # scripted: nothing is sampled
+
     def _new(self, ids):
         rid = self.next_id
         self.next_id += 1

@@ -195,3 +195,20 @@ def test_from_config_without_vllm_is_a_clear_error(monkeypatch):
     cfg = load_config(overrides=["rollout.name=vllm"])
     with pytest.raises(AppoError, match="vLLM"):
         VLLMEngine.from_config(cfg)
+
+
+def test_reseed_restarts_the_request_seeds(tok):
+    # Per-request seeds are seed * 1_000_003 + request count; reseeding restarts the count,
+    # so the same step seed gives the same requests (a resumed run repeats its sampling).
+    seen = []
+
+    def respond(prompt_ids, sp):
+        seen.append(sp["seed"])
+        return output(tok, "ok", "stop", None)
+
+    eng = VLLMEngine(FakeLLM(respond), tok, seed=1, sampling_params_factory=dict)
+    rows = eng.fork(eng.add_row([5, 6]), 2)
+    for _ in range(2):
+        eng.reseed(7)
+        eng.decode(rows, [4, 4], SamplingParams())
+    assert seen[:2] == [7 * 1_000_003 + 1, 7 * 1_000_003 + 2] and seen[2:] == seen[:2]

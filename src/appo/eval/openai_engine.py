@@ -115,6 +115,9 @@ class OpenAICompletionsEngine(TableRows):
             payload["seed"] = int(self.seed) + self._requests
         return payload
 
+    def reseed(self, seed: int) -> None:
+        self.seed, self._requests = seed, 0
+
     def _stop_of(self, choice: dict[str, Any], text: str, row: Row) -> tuple[str, str | None]:
         """(finish, stop_string) of a finished choice; `text` is the returned text."""
         reason = choice.get("finish_reason")

@@ -139,6 +139,9 @@ class VLLMEngine(TableRows):
             seed=self.seed * 1_000_003 + self._requests,
         )
 
+    def reseed(self, seed: int) -> None:
+        self.seed, self._requests = seed, 0
+
     def decode(self, rids: list[int], max_new_tokens: list[int] | int,
                params: SamplingParams) -> list[SegmentOutput]:
         if isinstance(max_new_tokens, int):

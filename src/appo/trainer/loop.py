@@ -154,8 +154,7 @@ class RLTrainer:
         prompts = [RolloutPrompt(uid=uid, prompt_ids=self._prompt_ids(ex))
                    for uid, ex in by_uid.items()]
         mine = prompts[self.dp.rank :: self.dp.world]
-        if hasattr(self.engine, "generator"):  # hf engine: sampling stream per step and rank
-            self.engine.generator.manual_seed(step_seed * 1_000_003 + self.dp.rank)
+        self.engine.reseed(step_seed * 1_000_003 + self.dp.rank)  # per step and rank
         rng = random.Random(step_seed * 7919 + self.dp.rank)
         score_fn = (hf_score_fn(self.rollout_model, settings.sampling)
                     if strategy == "appo" else None)
