@@ -94,11 +94,12 @@ def main() -> None:
 
     import torch
 
+    from appo.config import SFTConfig
     from appo.data import load_rl_data, load_sft_data
     from appo.models import load_model
     from appo.rewards import math_reward
     from appo.tools.python_tool import PythonTool
-    from appo.trainer.sft import SFTParams, train_sft
+    from appo.trainer.sft import train_sft
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -109,9 +110,9 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = train_sft(lm.model, lm.tokenizer, sft.examples,
-                           SFTParams(epochs=100, batch_size=args.sft_batch, lr=args.lr,
-                                     warmup_ratio=0.1, max_steps=args.steps),
-                           out_dir=tmp, progress=False)
+                           SFTConfig(epochs=100, batch_size=args.sft_batch, lr=args.lr,
+                                     warmup_ratio=0.1, max_steps=args.steps, output_dir=tmp),
+                           progress=False)
     sft_seconds = time.perf_counter() - t0
     print(f"SFT: {result.steps} steps in {sft_seconds:.0f} s, loss {result.train_loss[0]:.3f} -> "
           f"{result.train_loss[-1]:.3f}", flush=True)
