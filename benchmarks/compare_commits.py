@@ -11,7 +11,8 @@ scripts in a child process with that tree's `src` first on `PYTHONPATH`:
 - `step`: `benchmarks/train_step.py` part (1), one arpo + python RL step on SmolLM2-135M
   (16 trajectories of up to 256 tokens), median wall of `--steps` steps after a warm-up;
 - `decode`: `benchmarks/rollout.py --only-a --repeats 1`, (a) engine decode tok/s at 128 and
-  384 new tokens on 8 rows, and its ratio to `model.generate` measured in the same child.
+  384 new tokens on 8 rows and (a2) with EOS and tool stops on, each with its ratio to
+  `model.generate` measured in the same child.
 Every measurement is appended to `--log` (JSONL) as soon as it exists; a restarted run skips
 what is logged, so the script can be stopped and resumed. The summary (medians per tree and
 the new/old ratio) is printed and written to `--out`.
@@ -59,17 +60,20 @@ def measure_step(tree: Path, steps: int) -> dict:
 
 def measure_decode(tree: Path) -> dict:
     proc = run(tree, ["benchmarks/rollout.py", "--only-a", "--repeats", "1"])
-    rows = []
-    for line in proc.stdout.splitlines():
-        if line.startswith("{'new_tokens'"):
-            rows.append(ast.literal_eval(line))
-    if proc.returncode != 0 or len(rows) != 2:
-        raise SystemExit(f"decode benchmark failed in {tree}:\n{proc.stderr[-3000:]}")
+    rows = [ast.literal_eval(line) for line in proc.stdout.splitlines()
+            if line.startswith("{'new_tokens'")]
+    fixed = [r for r in rows if "total_ratio_median" in r]  # (a): a fixed number of tokens
+    stops = [r for r in rows if "seeds" in r]  # (a2): EOS and tool stops on
+    if proc.returncode != 0 or len(fixed) != 2 or len(stops) != 1:
+        raise SystemExit(f"decode benchmark failed in {tree}:\n{proc.stdout[-2000:]}\n"
+                         f"{proc.stderr[-2000:]}")
     out = {}
-    for r in rows:
+    for r in fixed:
         n = r["new_tokens"]
         out[f"engine_tok_s_{n}"] = r["engine_tok_s"]
         out[f"vs_generate_{n}"] = r["ratio_median"]
+    out["a2_engine_tok_s"] = stops[0]["engine_tok_s"]
+    out["a2_vs_generate"] = stops[0]["ratio_median"]
     return out
 
 
