@@ -9,7 +9,9 @@ it as a git worktree and run:
 Each repeat runs, in alternating order (old, new / new, old), each tree's own benchmark
 scripts in a child process with that tree's `src` first on `PYTHONPATH`:
 - `step`: `benchmarks/train_step.py` part (1), one arpo + python RL step on SmolLM2-135M
-  (16 trajectories of up to 256 tokens), median wall of `--steps` steps after a warm-up;
+  (16 trajectories of up to 256 tokens), medians of `--steps` steps after a warm-up: wall,
+  phases, rollout and training tokens/s (the like-for-like figures: at temperature 1 the
+  two trees sample different trajectories as soon as their float rounding differs);
 - `decode`: `benchmarks/rollout.py --only-a --repeats 1`, (a) engine decode tok/s at 128 and
   384 new tokens on 8 rows and (a2) with EOS and tool stops on, each with its ratio to
   `model.generate` measured in the same child.
@@ -55,7 +57,11 @@ def measure_step(tree: Path, steps: int) -> dict:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"step benchmark failed in {tree}:\n{proc.stderr[-3000:]}")
     r = json.loads(lines[-1][len("RESULT "):])
-    return {k: r[k] for k in ("wall", "time/rollout", "time/update", "peak_rss_mb")}
+    # Sampled trajectories differ between trees whenever their float rounding does, so the
+    # per-token rates are the like-for-like figures; walls and lengths are context.
+    return {k: r[k] for k in ("wall", "time/rollout", "time/update", "peak_rss_mb",
+                              "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
+                              "rollout/response_len", "rollout/tool_calls_per_traj")}
 
 
 def measure_decode(tree: Path) -> dict:
