@@ -130,8 +130,8 @@ def main() -> None:
             med = {w: statistics.median(d["values"][k] for d in done
                                         if d["part"] == part and d["tree"] == w)
                    for w in ("old", "new")}
-            lines.append(f"| {part} | {k} | {med['old']:.3f} | {med['new']:.3f} | "
-                         f"{med['new'] / med['old']:.3f} |")
+            ratio = f"{med['new'] / med['old']:.3f}" if med["old"] else "-"
+            lines.append(f"| {part} | {k} | {med['old']:.3f} | {med['new']:.3f} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.write_text(text)
