@@ -14,7 +14,7 @@ with a fake `LLM`.
 
 Deviations, because vLLM returns only the top-k log-probs of each step:
 - the behaviour log-prob of the sampled token is exact (`logprobs_mode=processed_logprobs`:
-  the distribution after temperature / top-k / top-p / penalties, as SPEC 1 asks);
+  the distribution after temperature / top-k / top-p / penalties, as docs/algorithms.md §1.2 asks);
 - the token entropy is computed from the top-`logprobs` (default 20) probabilities plus the
   remaining mass as one bucket: a lower bound of the full-vocabulary entropy, exact when
   `logprobs=-1` (all tokens, with `max_logprobs=-1`; slow). The top-10 proxy of the original
