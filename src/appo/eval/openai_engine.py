@@ -14,10 +14,11 @@ tokenizer: it also renders the chat template). Prompts go out as token ids by de
 decoded text for servers that only take strings.
 
 Stop strings follow OpenAI semantics: the server strips the matched stop string from the
-text. It is put back, because the tool loop reads the closing tag (docs/algorithms.md §1.3). Which stop
-string matched: vLLM says so in `stop_reason` (None or a token id for EOS); a server that
-echoes it (`include_stop_str_in_output`) shows it at the end of the text; a plain OpenAI
-server says neither, and then an unclosed `<tag>` in the segment names it, else it was EOS.
+text. It is put back, because the tool loop reads the closing tag (docs/algorithms.md
+§1.3). Which stop string matched: vLLM says so in `stop_reason` (None or a token id for EOS);
+a server that echoes it (`include_stop_str_in_output`) shows it at the end of the text; a
+plain OpenAI server says neither, and then an unclosed `<tag>` in the segment names it,
+else it was EOS.
 
 Log-probs and entropy are unknown over HTTP: recorded as 0 (with `logprobs=N`, the server's
 sampled-token log-probs and the top-N entropy proxy are used when the server's tokens line
