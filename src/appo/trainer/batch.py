@@ -91,10 +91,6 @@ class TrainBatch:
         """`[B]` long."""
         return self.lengths - self.prompt_lens
 
-    def row_ids(self, i: int) -> list[int]:
-        """Row `i`'s tokens (prompt + response), without padding."""
-        return self.input_ids[i, : int(self.lengths[i])].tolist()
-
     def trainable_rows(self) -> list[int]:
         """Rows with at least one trained token (APPO branch rows have none)."""
         return torch.nonzero(self.loss_mask.sum(dim=1) > 0).flatten().tolist()

@@ -134,6 +134,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     """
     dp = dp or DataParallel()
     share_prefix = actor.share_prefix_forward and not fsdp
+    loss_params = policy_loss_params(actor)
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = batch.trainable_rows()
     uid_order = list(dict.fromkeys(batch.uids))
@@ -162,7 +163,8 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             optimizer.zero_grad(set_to_none=True)
             for mb_idx in plan.batches:
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
-                sums.update(_micro_step(model, mini.select(mb_idx), actor, agg, share_prefix,
+                sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
+                                        share_prefix,
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
@@ -196,8 +198,8 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     return out
 
 
-def _micro_step(model, mb: TrainBatch, actor: Any, agg: LossAgg, share_prefix: bool,
-                loss_scale: float = 1.0) -> dict[str, float]:
+def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
+                share_prefix: bool, loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
     )
@@ -215,14 +217,15 @@ def _micro_step(model, mb: TrainBatch, actor: Any, agg: LossAgg, share_prefix: b
                                          alpha=actor.entropy_advantage_alpha)
         metrics.update({f"actor/{k}": v * float(mask.sum()) / agg.n_tokens for k, v in m.items()})
     loss, m = POLICY_LOSSES[actor.policy_loss](
-        logp, old, adv, mask, agg=agg, params=policy_loss_params(actor),
+        logp, old, adv, mask, agg=agg, params=loss_params,
         entropy=None if entropy is None else entropy.detach(),
     )
     metrics.update({f"actor/{k}": v for k, v in m.items()})
     metrics["actor/pg_loss"] = float(loss.detach())
-    if kl_coef(actor) != 0:
+    coef = kl_coef(actor)
+    if coef != 0:
         kl, _ = kl_loss(logp, mb.ref_logp.to(device), mask, agg=agg, kind=actor.kl_loss_type)
-        loss = loss + kl_coef(actor) * kl
+        loss = loss + coef * kl
         metrics["actor/kl"] = float(kl.detach())
     if entropy is not None:
         ent, _ = entropy_bonus(entropy, mask, agg=agg)
