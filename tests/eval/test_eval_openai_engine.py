@@ -180,11 +180,9 @@ def test_errors_end_the_row_with_a_clear_message(server, tok, reply, requests, m
                                      client=fast_client(timeout=0.3, retries=2))
     ok_row = engine.add_row([5, 6])
     [out] = engine.decode([ok_row], [20], PARAMS)
-    assert out.token_ids == [] and out.finish == "eos"
-    assert message in engine.errors[ok_row]
+    assert out.token_ids == [] and out.finish == "error"
+    assert message in out.error
     assert len(server.posts()) == requests
-    engine.release([ok_row])
-    assert ok_row not in engine.errors
 
 
 def test_failing_row_does_not_stop_the_others(server, tok):
@@ -198,8 +196,9 @@ def test_failing_row_does_not_stop_the_others(server, tok):
                                      client=fast_client(retries=0))
     good, bad = engine.add_row([1, 2]), engine.add_row([9, 2])
     out_good, out_bad = engine.decode([good, bad], [20, 20], PARAMS)
-    assert tok.decode(out_good.token_ids) == "fine<|im_end|>" and good not in engine.errors
-    assert out_bad.token_ids == [] and "HTTP 500" in engine.errors[bad]
+    assert tok.decode(out_good.token_ids) == "fine<|im_end|>" and out_good.error is None
+    assert out_good.finish == "eos"
+    assert out_bad.token_ids == [] and out_bad.finish == "error" and "HTTP 500" in out_bad.error
 
 
 def test_fork_and_append_are_local(server, tok):

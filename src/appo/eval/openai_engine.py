@@ -23,8 +23,8 @@ else it was EOS.
 Log-probs and entropy are unknown over HTTP: recorded as 0 (with `logprobs=N`, the server's
 sampled-token log-probs and the top-N entropy proxy are used when the server's tokens line
 up with the local tokenisation). A request that fails (after `JsonClient` retries) ends
-its row with an empty segment and the message in `errors[row]`: the run goes on and the
-caller decides (the evaluator records the sample as failed and retries it on a rerun).
+its row with an empty segment of finish "error" and the message (the loop records it as
+`Trajectory.error`): the run goes on and the caller decides (the evaluator records the sample as failed and retries it on a rerun).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class OpenAICompletionsEngine(TableRows):
         self.max_concurrency = max(1, int(max_concurrency))
         self.model = model or served_model(self.client, base_url)
         self.counters = EngineCounters()
-        self.errors: dict[int, str] = {}
         self.stop_strings: list[str] = []
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_id = None if eos is None else int(eos)
@@ -84,11 +83,6 @@ class OpenAICompletionsEngine(TableRows):
     def prefill(self, rows: list[int]) -> None:
         """Nothing to do: the server caches prefixes itself (vLLM prefix caching)."""
         self.rows.many(rows)  # unknown or released rows fail here, as in the other engines
-
-    def release(self, rows: list[int]) -> None:
-        super().release(rows)
-        for rid in rows:
-            self.errors.pop(rid, None)
 
     # ------------------------------------------------------------------ decode
     def _payload(self, row: Row, budget: int, params) -> dict[str, Any]:
@@ -174,7 +168,7 @@ class OpenAICompletionsEngine(TableRows):
             if not isinstance(text, str):
                 raise HttpError(f"{self.url} returned a choice without text: {str(choice)[:200]}")
         except HttpError as e:
-            return SegmentOutput([], [], [], "eos"), 0, 0, str(e)
+            return SegmentOutput([], [], [], "error", error=str(e)), 0, 0, str(e)
         finish, stop = self._stop_of(choice, text, row)
         if stop is not None and not text.endswith(stop):
             text += stop
@@ -214,7 +208,6 @@ class OpenAICompletionsEngine(TableRows):
             self.counters.prefilled += prompt_tokens
             self.counters.decoded += decoded
             if error is not None:
-                self.errors[rid] = error
                 continue
             self.rows[rid].ids.extend(out.token_ids)
         return outputs

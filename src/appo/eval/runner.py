@@ -1,7 +1,8 @@
 """`appo eval`: run a model with tools over benchmarks, k samples per question
 (docs/algorithms.md §8.1).
 
-Generation is the `grpo` rollout with `n = k`: k independent trajectories per question,
+Generation is `appo.rollout.strategies.sample`, the same call that generates the trainer's
+validation, `appo demo` and `grpo` rollouts: k independent trajectories per question,
 through the same `ToolLoop` the trainer uses, on any engine (the local `hf` engine or an
 OpenAI-compatible server, `appo.eval.openai_engine`). Work is cut into chunks of
 `batch_size` samples; each chunk is one batched rollout, then graded and appended to
@@ -39,9 +40,10 @@ from appo.eval.summary import (
     summarize_benchmark,
 )
 from appo.eval.tokens import token_texts
-from appo.rollout.loop import RolloutPrompt, RowState, ToolLoop
+from appo.rollout.loop import RolloutPrompt
 from appo.rollout.records import RolloutStats, Trajectory
 from appo.rollout.settings import RolloutSettings
+from appo.rollout.strategies import sample
 
 SAMPLES_FILE = "samples.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
@@ -253,10 +255,9 @@ class Evaluator:
                     resumed += 1
         return work, resumed
 
-    def _record(self, w: _Work, row: RowState, error: str | None
-                ) -> tuple[SampleRecord, str | None]:
+    def _record(self, w: _Work, traj: Trajectory) -> tuple[SampleRecord, str | None]:
         """The graded record of one sample, and its lenient answer (for the judge)."""
-        traj = row.traj
+        error = traj.error
         ex = w.bench.examples[w.index]
         text = self.tokenizer.decode(traj.response_ids, skip_special_tokens=True)
         calls, tool_errors, limit_hits = _tool_counts(traj)
@@ -282,8 +283,7 @@ class Evaluator:
             rec.reason = f"generation failed: {error}"
         return rec, lenient_answer
 
-    def _traj_line(self, w: _Work, row: RowState, rec: SampleRecord) -> str:
-        traj = row.traj
+    def _traj_line(self, w: _Work, traj: Trajectory, rec: SampleRecord) -> str:
         # Loop-local ids restart every chunk; name the trajectory by its sample instead.
         traj.traj_id = f"{traj.uid}/s{w.sample}"
         traj.reward = rec.score
@@ -297,23 +297,15 @@ class Evaluator:
     def _run_chunk(self, chunk: list[_Work]) -> tuple[list[tuple[_Work, SampleRecord, str]],
                                                       RolloutStats]:
         """Generate, grade and serialise one chunk: (work, record, trajectory line) each."""
-        loop = ToolLoop(self.engine, self.tools, self.settings)
-        prompts = [self._prompt(w.bench, w.index) for w in chunk]
-        loop.prepare(list({p.uid: p for p in prompts}.values()))  # one prefill per question
-        rows = [loop.start(p) for p in prompts]
-        try:
-            loop.run_until_done(rows)
-            errors = getattr(self.engine, "errors", {})
-            graded = [(*self._record(w, row, errors.get(row.erow)), w.bench.examples[w.index])
-                      for w, row in zip(chunk, rows, strict=True)]
-        finally:
-            loop.release(rows)
-            loop.release_roots()
+        batch = sample([self._prompt(w.bench, w.index) for w in chunk], self.engine,
+                       self.tools, self.settings)
+        graded = [(*self._record(w, traj), w.bench.examples[w.index])
+                  for w, traj in zip(chunk, batch.trajectories, strict=True)]
         self.grader.apply_judge([(rec, ex, lenient) for rec, lenient, ex in graded])
         out = []
-        for w, row, (rec, _, _) in zip(chunk, rows, graded, strict=True):
-            out.append((w, rec, self._traj_line(w, row, rec) if rec.error is None else ""))
-        return out, loop.finalize_stats()
+        for w, traj, (rec, _, _) in zip(chunk, batch.trajectories, graded, strict=True):
+            out.append((w, rec, self._traj_line(w, traj, rec) if rec.error is None else ""))
+        return out, batch.stats
 
     def run(self, benchmarks: list[Benchmark], out: str | Path, k: int) -> EvalResult:
         out = Path(out)

@@ -34,9 +34,12 @@ class SegmentOutput:
     token_ids: list[int]
     logps: list[float]
     entropies: list[float]  # full-vocabulary entropy of each token's distribution
-    finish: str  # "stop" (a stop string), "eos", "length" (the row's token budget)
+    # "stop" (a stop string), "eos", "length" (the row's token budget), "error" (a remote
+    # engine's request failed; `error` says why and the row ends)
+    finish: str
     stop_string: str | None = None
     topk_entropies: list[float] = field(default_factory=list)  # top-10 proxy (seed measure)
+    error: str | None = None
 
 
 @dataclass

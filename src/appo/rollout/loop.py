@@ -262,7 +262,10 @@ class ToolLoop:
             row.h_last = h_seg
             if row.h_init is None:
                 row.h_init = h_seg
-            if out.finish == "eos":
+            if out.finish == "error":
+                row.traj.error = out.error or "generation failed"
+                self._finish(row, "error")
+            elif out.finish == "eos":
                 self._finish(row, "eos")
             elif out.finish == "length" or self._budget(row) <= 0:
                 self._finish(row, "length", truncated=True)

@@ -76,6 +76,7 @@ class Trajectory:
     is_branch: bool = False
     finish_reason: str | None = None
     truncated: bool = False
+    error: str | None = None  # why generation failed (finish_reason "error"), else None
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # pass-through (data_source, truth)
 

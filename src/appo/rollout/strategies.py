@@ -112,13 +112,26 @@ def _drive(
 
 
 # ---------------------------------------------------------------- grpo
+def sample(prompts: Sequence[RolloutPrompt], engine: Engine, tools: ToolRunner | None,
+           settings: RolloutSettings) -> RolloutBatch:
+    """One independent trajectory per entry of `prompts`, in order; a prompt may appear
+    several times (its template is prefilled once). The generation of every evaluation
+    (`appo eval`, training-time validation, `appo demo`) and of `grpo` rollouts."""
+    loop = ToolLoop(engine, tools, settings)
+    loop.prepare(list({p.uid: p for p in prompts}.values()))
+    rows = [loop.start(p) for p in prompts]
+    try:
+        loop.run_until_done(rows)
+    except BaseException:
+        loop.release(rows)
+        loop.release_roots()
+        raise
+    return _finish(loop, rows)
+
+
 def rollout_grpo(prompts, engine, tools, settings, rng=None, score_fn=None) -> RolloutBatch:
     _check_prompts(prompts)
-    loop = ToolLoop(engine, tools, settings)
-    loop.prepare(prompts)
-    counts = {p.uid: settings.n for p in prompts}
-    rows = _drive(loop, prompts, counts, counts, None, rng)
-    return _finish(loop, rows)
+    return sample([p for p in prompts for _ in range(settings.n)], engine, tools, settings)
 
 
 # ---------------------------------------------------------------- arpo

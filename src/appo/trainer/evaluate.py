@@ -1,8 +1,10 @@
 """Evaluation inside a training process: roll out held-out prompts with the current policy,
 score them, and summarise (training-time validation and `appo demo` both call `evaluate`).
 
-`appo eval` (`appo.eval.runner`) is the standalone benchmark runner: pass@k over many
-samples, per-tool call limits, an LLM judge, resumable sample files.
+Generation is `appo.rollout.strategies.sample` (through the `grpo` strategy), the call
+`appo eval` (`appo.eval.runner`) makes too; the runner adds what a standalone benchmark
+needs around it: pass@k over many samples, per-tool call limits, an LLM judge, resumable
+sample files.
 """
 
 from __future__ import annotations
