@@ -38,8 +38,7 @@ def cfg():
         "model.path=smollm2-135m", "rollout.name=vllm", "rollout.kv_cache_gib=1",
         f"rollout.n={N}", "rollout.initial_rollouts=2", "rollout.beam_size=2",
         "rollout.branch_probability=1.0", "data.max_response_length=160",
-        "data.template=math", "tools.call_limit=2",
-        "data.train_files=['synth:arith?split=train&levels=2,3&n=4']",
+        "tools.enabled=[python]", "tools.call_limit=2",
     ])
 
 
@@ -61,17 +60,27 @@ def engine(cfg, lm):
     return VLLMEngine(llm, lm.tokenizer, seed=0)
 
 
+SHOT = "<python>\nprint({q})\n</python>\n<result>\n{a}\n</result>\n<answer>\\boxed{{{a}}}</answer>"
+
+
+def two_shot_ids(tok, question: str) -> list[int]:
+    """The question after two worked tool calls: the base SmolLM2 rarely opens a tool call
+    on its own (the demo teaches it by SFT); with these it calls python in most rows."""
+    messages = []
+    for q, a in (("2 + 3", 5), ("4 * 6", 24)):
+        messages += [{"role": "user", "content": f"What is {q}?"},
+                     {"role": "assistant", "content": SHOT.format(q=q, a=a)}]
+    messages.append({"role": "user", "content": question})
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
 @pytest.fixture(scope="module")
-def prompts(cfg, lm):
-    from appo.data.rl import rl_data_from_config
+def prompts(lm):
     from appo.rollout import RolloutPrompt
 
-    examples = rl_data_from_config(cfg, "train", lm.tokenizer).examples[:2]
-    # The base SmolLM2 rarely opens a tool call on its own (the demo teaches it by SFT), so
-    # the assistant turn starts inside one: every first segment then runs the tool path.
-    opening = lm.tokenizer.encode("<python>\nprint(", add_special_tokens=False)
-    return [RolloutPrompt(uid=f"q{i}", prompt_ids=list(ex.prompt_ids) + opening)
-            for i, ex in enumerate(examples)]
+    return [RolloutPrompt(uid=f"q{i}", prompt_ids=two_shot_ids(lm.tokenizer, q))
+            for i, q in enumerate(["What is 17 * 23?", "What is 345 + 678?"])]
 
 
 def logp_errors(model, trajs) -> list[float]:

@@ -135,7 +135,7 @@ class VLLMEngine(TableRows):
         self.llm = llm
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         self.stop_strings: list[str] = list(stop_strings or [])
-        self._stops = StopChecker(tokenizer, self.stop_strings, frozenset())
+        self._stops = StopChecker(self.tokenizer, self.stop_strings, frozenset())
         self.seed = seed
         self.logprobs = logprobs
         self._make_params = sampling_params_factory or _default_sampling_params

@@ -182,4 +182,7 @@ def rollout_metrics(trajs, outputs, stats) -> dict[str, float]:
         m["rollout/tokens_prefilled"] = float(stats.tokens_prefilled)
         m["rollout/tokens_decoded"] = float(stats.tokens_decoded)
         m["rollout/tokens_reused"] = float(stats.tokens_reused)
+        # Context tokens served from a cache (hf: forked KV rows; vllm: its prefix cache).
+        context = stats.tokens_prefilled + stats.tokens_reused
+        m["rollout/prefix_hit_rate"] = stats.tokens_reused / context if context else 0.0
     return m
