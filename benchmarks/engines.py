@@ -488,6 +488,11 @@ def main() -> None:
     pool = prompt_pool(args, 128)
     print(f"prompts: {min(map(len, pool))}-{max(map(len, pool))} tokens; "
           f"{len(todo)} measurements to do", flush=True)
+    if os.getloadavg()[0] > mach["usable_cpus"] - 0.5:
+        print(f"warning: load average {os.getloadavg()[0]:.1f} on {mach['usable_cpus']} CPUs: "
+              "other jobs are running; with --threads > 1 OpenMP threads collapse under "
+              "contention (seconds instead of tenths per call), so these figures will be "
+              "noise", flush=True)
 
     def log(rec: dict) -> None:
         rec = {"config": key, "date": datetime.datetime.now().isoformat(timespec="seconds"),
