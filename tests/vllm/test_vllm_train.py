@@ -31,7 +31,7 @@ def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
         "data.train_batch_size=2", "data.max_response_length=96",
         # The base model rarely earns a reward here, so group advantages may all be 0; the
         # entropy bonus keeps every update non-zero (Adam then moves each weight ~lr).
-        "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1", "trainer.logger=[console]",
+        "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1",
         f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'rollouts'}",
         *extra,
     ]

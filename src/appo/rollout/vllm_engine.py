@@ -67,7 +67,8 @@ def start_llm(cfg: Any) -> Any:
 
     - The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless the
       environment says otherwise): weight syncs hand tensors over by reference and a user
-      script needs no `if __name__ == "__main__":` guard.
+      script needs no `if __name__ == "__main__":` guard. Under DDP/FSDP (a torch process
+      group exists) it runs in a child process instead, each rank with its own engine.
     - vLLM's CPU worker sets torch to one thread unless `OMP_NUM_THREADS` is set; it is set
       to this process's torch thread count, and that count is restored afterwards, so the
       trainer in the same process keeps its threads.
@@ -97,7 +98,11 @@ def start_llm(cfg: Any) -> Any:
 
         path = str(converted_dir(path))
     r = cfg.rollout
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Under DDP/FSDP this process already belongs to the trainer's process group, and vLLM
+    # builds its own distributed world in the process that runs its core: that must then be
+    # a child process (weight syncs are serialised to it, tensors included).
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if distributed else "0")
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     kv_gib = r.kv_cache_gib
