@@ -4,7 +4,9 @@ Without an importable vLLM (the main venv) every test here is skipped with the r
 `vllm_server` starts ONE server per test module on a free port of 127.0.0.1, with the dev
 routes on (`VLLM_SERVER_DEV_MODE=1`, for the weight reload) and a 1 GiB KV cache; its log
 goes to a temp file whose tail is attached to the report of a failing test, and the
-server's process group is ended at teardown.
+server's process group is ended at teardown. `APPO_VLLM_SERVER_URL` points the tests at a
+server already running instead (it must serve the SmolLM2 dir, with dev mode on): quicker
+when iterating on the tests.
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class VllmServer:
     url: str  # http://127.0.0.1:PORT (no /v1)
     model: str  # the model dir the server loaded (and its served name)
-    process: subprocess.Popen
-    log: Path
+    process: subprocess.Popen | None  # None: a server this run did not start
+    log: Path | None
     startup_s: float
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log is None:
+            return "(a server this run did not start: see its own log)"
         try:
             text = self.log.read_text(errors="replace").splitlines()
         except OSError:
@@ -114,6 +118,11 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory):
     from appo.eval.vllm_server import wait_for_server
 
     model = smollm2_dir()
+    given = os.environ.get("APPO_VLLM_SERVER_URL")
+    if given:
+        wait_for_server(given, timeout=30)
+        yield VllmServer(given.rstrip("/"), str(model), None, None, 0.0)
+        return
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",

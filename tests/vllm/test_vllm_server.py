@@ -3,6 +3,9 @@
 One server for the module (`vllm_server` in conftest.py). It checks that:
 - the OpenAI engine takes the server's sampled token ids (token out): a segment stopped by a
   stop string that ends inside a token keeps the completing token, as the hf engine does;
+- the tool loop runs several turns on the server (a few-shot prompt that makes the model
+  call the python tag) and greedy gives the same tokens, segments and calls as the local hf
+  engine, each segment equal to a direct completions request;
 - `appo eval --base-url` records the server's ids and log-probs (equal to direct
   completions requests of each model segment) and, greedy, gives the same samples and
   summary as `appo eval` on the local hf engine;
@@ -29,9 +32,13 @@ from appo.eval.http import JsonClient, endpoint
 from appo.eval.openai_engine import OpenAICompletionsEngine
 from appo.eval.records import read_samples
 from appo.eval.vllm_server import reload_server_weights
-from appo.rollout.records import read_jsonl
+from appo.rollout.loop import RolloutPrompt
+from appo.rollout.records import Trajectory, read_jsonl
 from appo.rollout.sampling import SamplingParams
+from appo.rollout.settings import RolloutSettings
 from appo.rollout.stops import tool_stop_strings
+from appo.rollout.strategies import rollout_grpo
+from appo.tools.base import ToolResult
 
 pytestmark = pytest.mark.vllm
 
@@ -93,6 +100,76 @@ def test_engine_keeps_the_token_that_completes_a_stop_string(vllm_server, tokeni
     assert any(lp < 0 for lp in out.logps)  # the server's log-probs, not the 0 placeholder
 
 
+# ---------------------------------------------------------------- the tool loop, multi-turn
+# Two solved examples make the 135M model answer the third question with a python call.
+FEW_SHOT = ("Q: 1+1? <python>print(1+1)</python> <result>\n2\n</result> A: 2\n"
+            "Q: 2+3? <python>print(2+3)</python> <result>\n5\n</result> A: 5\nQ: 6*7?")
+
+
+class LengthTool:
+    """A python tool that runs nothing: its result is the length of the code (the test
+    needs deterministic forced tokens, not execution of model output)."""
+
+    tags = ["python"]
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def execute_many(self, calls):
+        self.calls += [c.content for c in calls]
+        return [ToolResult(str(len(c.content))) for c in calls]
+
+
+def _segments_match_direct_requests(server, traj: Trajectory, budget: int,
+                                    stops: list[str]) -> int:
+    """Send each model segment's request again, directly: the trajectory must hold exactly
+    the server's ids and log-probs. Returns the number of tokens compared."""
+    compared = 0
+    for seg in (s for s in traj.segments if s.is_model):
+        prompt = traj.prompt_ids + traj.response_ids[: seg.start]
+        direct = complete(server, prompt, max_tokens=budget - seg.start, stop=stops,
+                          return_token_ids=True, logprobs=1)
+        assert traj.response_ids[seg.start : seg.end] == direct["token_ids"]
+        got = traj.logp_rollout[seg.start : seg.end]
+        want = direct["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL
+        compared += seg.end - seg.start
+    return compared
+
+
+def test_tool_loop_on_the_server_matches_the_hf_engine(vllm_server, tokenizer):
+    from appo.models import load_model
+    from appo.rollout.hf_engine import HFEngine
+
+    budget = 64
+    prompt = tokenizer.encode(FEW_SHOT, add_special_tokens=False)
+    settings = RolloutSettings(n=1, sampling=SamplingParams(temperature=0.0),
+                               max_response_length=budget, call_limit=3)
+
+    def run(engine) -> tuple[Trajectory, list[str]]:
+        tools = LengthTool()
+        [traj] = rollout_grpo([RolloutPrompt("q", prompt)], engine, tools,
+                              settings).trajectories
+        traj.check()
+        return traj, tools.calls
+
+    remote = OpenAICompletionsEngine(vllm_server.url, tokenizer, model=vllm_server.model,
+                                     logprobs=1, client=JsonClient(timeout=300, retries=0))
+    traj, calls = run(remote)
+    assert calls and calls[0] == "print(6*7)", tokenizer.decode(traj.response_ids)
+    assert sum(not s.is_model for s in traj.segments) == len(traj.tool_calls) >= 1
+    assert _segments_match_direct_requests(vllm_server, traj, budget, ["</python>"]) > 0
+
+    lm = load_model(vllm_server.model)
+    local, local_calls = run(HFEngine(lm.model, lm.tokenizer, seed=0))
+    assert local_calls == calls
+    assert local.response_ids == traj.response_ids, (
+        tokenizer.decode(local.response_ids), tokenizer.decode(traj.response_ids))
+    assert [(s.start, s.end, s.is_model) for s in local.segments] == [
+        (s.start, s.end, s.is_model) for s in traj.segments]
+    assert local.finish_reason == traj.finish_reason
+
+
 # ---------------------------------------------------------------- appo eval --base-url
 def _eval(out: Path, *extra: str) -> dict:
     assert main(["eval", "--data", DATA, "--k", "1", "--out", str(out), *extra,
@@ -110,16 +187,7 @@ def test_eval_through_the_server_records_its_ids_and_matches_hf(vllm_server, tmp
     compared = 0
     for traj in trajs:
         traj.check()
-        for seg in (s for s in traj.segments if s.is_model):
-            # The same request the engine made for this segment, sent directly.
-            prompt = traj.prompt_ids + traj.response_ids[: seg.start]
-            direct = complete(vllm_server, prompt, max_tokens=MAX_RESPONSE - seg.start,
-                              stop=stops, return_token_ids=True, logprobs=1)
-            assert traj.response_ids[seg.start : seg.end] == direct["token_ids"]
-            got = traj.logp_rollout[seg.start : seg.end]
-            want = direct["logprobs"]["token_logprobs"]
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL
-            compared += seg.end - seg.start
+        compared += _segments_match_direct_requests(vllm_server, traj, MAX_RESPONSE, stops)
     assert compared > 0 and any(lp != 0.0 for t in trajs for lp in t.logp_rollout)
 
     local = _eval(tmp_path / "hf", "--model", vllm_server.model)
