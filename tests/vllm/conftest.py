@@ -158,4 +158,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     server = getattr(item, "funcargs", {}).get("vllm_server")
     if report.failed and isinstance(server, VllmServer):
-        report.sections.append((f"vllm server log {server.log} (tail)", server.log_tail()))
+        report.sections.append((f"vllm server log {server.log or server.url} (tail)",
+                                server.log_tail()))
