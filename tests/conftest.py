@@ -1,9 +1,7 @@
-"""Shared fixtures: the real-data location and CLI runner."""
+"""Shared fixtures: the real-data location (the CLI runner is in cli_runner.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +16,3 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "arpo").is_dir():
         pytest.skip(f"real data not available at {SHARED_DATA}")
     return SHARED_DATA
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m appo.cli ARGS` in a subprocess, capturing text output."""
-    return subprocess.run(
-        [sys.executable, "-m", "appo.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )

@@ -8,7 +8,7 @@ from omegaconf import ValidationError
 
 from appo.config import CHOICES, load_config
 from appo.errors import AppoError
-from conftest import run_cli
+from cli_runner import run_cli
 
 
 def test_defaults_describe_embedded_setup():

@@ -162,7 +162,7 @@ def test_lookup_rl_examples_route_to_qa():
 
 
 def test_cli_synth_and_inspect(tmp_path):
-    from conftest import run_cli
+    from cli_runner import run_cli
 
     out = tmp_path / "arith.jsonl"
     r = run_cli("data", "synth", "arith", "--n", "12", "--seed", "2", "--split", "eval",

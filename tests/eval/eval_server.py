@@ -1,9 +1,10 @@
 """A scripted OpenAI-compatible server on 127.0.0.1 for the eval tests.
 
-It speaks `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions`, records
-every request (path, headers, JSON body) and answers from a script: a function of the
-request body returning a reply dict (sent as 200 JSON) or a `Reply` (any status, raw body,
-or a delay before answering, for timeouts).
+It speaks `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` and any
+POST path given in `routes` (e.g. vLLM's dev routes), records every request (path, headers,
+JSON body) and answers from a script: a function of the request body returning a reply dict
+(sent as 200 JSON) or a `Reply` (any status, raw body, or a delay before answering, for
+timeouts).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ScriptedServer:
     completions: Script | None = None
     chat: Script | None = None
     models: tuple[str, ...] = ("scripted-model",)
+    routes: dict[str, Script] = field(default_factory=dict)  # further POST paths
     requests: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,7 +95,8 @@ class ScriptedServer:
                 body = json.loads(self.rfile.read(size) or b"null")
                 server._record(self.path, dict(self.headers), body)
                 script = {"/v1/completions": server.completions,
-                          "/v1/chat/completions": server.chat}.get(self.path)
+                          "/v1/chat/completions": server.chat,
+                          **server.routes}.get(self.path.split("?")[0])
                 if script is None:
                     self._send(Reply(404, {"error": f"no route {self.path}"}))
                     return

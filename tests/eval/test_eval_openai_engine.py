@@ -7,6 +7,8 @@ and clear error results (HTTP errors, timeouts, junk) that end a row without a c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from eval_server import Reply, ScriptedServer, completion
 
@@ -237,3 +239,125 @@ def test_server_logprobs_when_tokens_line_up(server, tok):
     assert out.topk_entropies == pytest.approx([h0, -(0.8187307530779818 * -0.2)])
     [out] = engine.decode([rid], [3], PARAMS)  # 3 local tokens, 2 from the server: unknown
     assert out.logps == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- token out (vLLM token_ids)
+def char_ids(tok, text):
+    """`text` one character per token: a tokenisation the local tokenizer would not choose
+    for a tag it has one token for, so a re-tokenised segment would differ from it."""
+    return [tok.encode(c, add_special_tokens=False)[0] for c in text]
+
+
+def logprobs_of(ids, values):
+    return {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": values,
+            "top_logprobs": [{f"token_id:{t}": v} for t, v in zip(ids, values, strict=True)]}
+
+
+def test_server_token_ids_are_the_segment(server, tok):
+    # vLLM: the text is stripped of the stop string, the ids keep the tokens that sampled it.
+    ids = char_ids(tok, "<python>1+1</python>")
+    assert tok.encode("</python>", add_special_tokens=False) != ids[-9:]  # one local token
+    lps = [-0.01 * (i + 1) for i in range(len(ids))]
+    server.completions = lambda body: completion(
+        "<python>1+1", stop_reason="</python>", token_ids=ids, logprobs=logprobs_of(ids, lps))
+    engine = OpenAICompletionsEngine(server.url, tok, model="m", logprobs=1,
+                                     client=fast_client())
+    engine.set_stop_strings(["</python>"])
+    rid = engine.add_row([1, 2])
+    [out] = engine.decode([rid], [100], PARAMS)
+    [req] = server.posts()
+    assert req.body["return_token_ids"] is True and req.body["logprobs"] == 1
+    assert out.token_ids == ids  # not re-tokenised
+    assert (out.finish, out.stop_string) == ("stop", "</python>")
+    assert out.logps == pytest.approx(lps)  # per returned id, not "when they line up"
+    assert out.topk_entropies == pytest.approx([-(math.exp(v) * v) for v in lps])
+    assert engine.row_ids(rid) == [1, 2, *ids]
+
+
+@pytest.mark.parametrize(
+    ("returned", "reason", "added"),
+    [
+        ("ok<eos>", None, ""),  # vLLM returns the EOS id it sampled: kept, not doubled
+        ("ok", None, "<eos>"),  # a server that leaves EOS out: appended (log-prob 0)
+        ("ok<eos>", 257, ""),  # EOS named as a stop token id
+        ("<python>1", "</python>", "</python>"),  # ids without the stop string: appended
+    ],
+)
+def test_server_token_ids_eos_and_missing_stop(server, tok, returned, reason, added):
+    def ids_of(text):
+        eos = text.endswith("<eos>")
+        ids = char_ids(tok, text.removesuffix("<eos>"))
+        return ids + [tok.eos_token_id] * eos
+
+    ids = ids_of(returned)
+    lps = [-0.5] * len(ids)
+    text = returned.removesuffix("<eos>")
+    server.completions = lambda body: completion(
+        text, stop_reason=reason, token_ids=ids, logprobs=logprobs_of(ids, lps))
+    engine = OpenAICompletionsEngine(server.url, tok, model="m", logprobs=1,
+                                     client=fast_client())
+    engine.set_stop_strings(["</python>"])
+    rid = engine.add_row([1])
+    [out] = engine.decode([rid], [100], PARAMS)
+    tail = ([tok.eos_token_id] if added == "<eos>" else
+            tok.encode(added, add_special_tokens=False) if added else [])
+    assert out.token_ids == ids + tail
+    assert out.logps == lps + [0.0] * len(tail)
+    assert out.finish == ("stop" if added == "</python>" else "eos")
+    assert len(out.topk_entropies) == len(out.token_ids) == len(out.entropies)
+
+
+def test_server_token_ids_over_the_budget_are_cut(server, tok):
+    ids = char_ids(tok, "abcdef")
+    server.completions = lambda body: completion("abcdef", finish="length", token_ids=ids)
+    engine = OpenAICompletionsEngine(server.url, tok, model="m", client=fast_client())
+    rid = engine.add_row([1])
+    [out] = engine.decode([rid], [4], PARAMS)
+    assert out.token_ids == ids[:4] and out.finish == "length"
+    assert out.logps == [0.0] * 4  # not asked for (logprobs=0)
+
+
+@pytest.mark.parametrize("bad", [["a", 1], [1.5], [-1], [10**6], "12", [True]])
+def test_malformed_token_ids_end_the_row(server, tok, bad):
+    server.completions = lambda body: completion("x", stop_reason=None, token_ids=bad)
+    engine = OpenAICompletionsEngine(server.url, tok, model="m", client=fast_client())
+    rid = engine.add_row([1])
+    [out] = engine.decode([rid], [10], PARAMS)
+    assert out.finish == "error" and out.token_ids == []
+    assert "token_ids that are not ids of the local tokenizer" in out.error
+
+
+def test_token_ids_off_leaves_the_field_out_and_ignores_ids(server, tok):
+    server.completions = lambda body: completion("ab", finish="length",
+                                                 token_ids=char_ids(tok, "xy"))
+    engine = OpenAICompletionsEngine(server.url, tok, model="m", client=fast_client(),
+                                     token_ids=False)
+    rid = engine.add_row([1])
+    [out] = engine.decode([rid], [5], PARAMS)
+    assert "return_token_ids" not in server.posts()[0].body
+    assert out.token_ids == tok.encode("ab", add_special_tokens=False)
+
+
+def test_grpo_tool_loop_on_server_token_ids(server, tok):
+    # The tool loop reads the closing tag from the server's ids (one token per character
+    # here) and sends them back unchanged as the next prompt.
+    prompt_ids = tok.encode("Q: 6*7?\n", add_special_tokens=False)
+    first = char_ids(tok, "<python>print(6*7)</python>")
+    final = char_ids(tok, "<answer>42</answer>") + [tok.eos_token_id]
+
+    def script(body):
+        if len(body["prompt"]) == len(prompt_ids):
+            return completion("<python>print(6*7)", stop_reason="</python>", token_ids=first)
+        assert body["prompt"][len(prompt_ids):len(prompt_ids) + len(first)] == first
+        return completion("<answer>42</answer>", stop_reason=None, token_ids=final)
+
+    server.completions = script
+    engine = OpenAICompletionsEngine(server.url, tok, client=fast_client())
+    tools = EchoPython()
+    settings = RolloutSettings(n=1, sampling=PARAMS, max_response_length=200, call_limit=3)
+    [traj] = rollout_grpo([RolloutPrompt("q", prompt_ids)], engine, tools, settings).trajectories
+    traj.check()
+    assert tools.calls == ["print(6*7)"] and traj.finish_reason == "eos"
+    call = traj.tool_calls[0]
+    assert traj.response_ids[: call.result_start] == first
+    assert traj.response_ids[call.result_end:] == final

@@ -10,7 +10,7 @@ import torch
 from appo.errors import AppoError
 from appo.models import load_model
 from appo.models.tiny import TAGS, build_tiny
-from conftest import run_cli
+from cli_runner import run_cli
 
 
 def test_tiny_builds_deterministically_and_fast():

@@ -13,7 +13,7 @@ import pytest
 from appo.models import load_model
 from appo.models.generate import generate_chat
 from appo.models.loader import converted_dir
-from conftest import run_cli
+from cli_runner import run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from appo.rollout import read_jsonl
-from conftest import run_cli
+from cli_runner import run_cli
 
 
 def test_rollout_cli_prints_the_tree_and_writes_jsonl(tmp_path):

@@ -62,6 +62,8 @@ def _eval(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     if args.limit is not None and args.limit < 1:
         raise AppoError(f"--limit must be >= 1, got {args.limit}")
+    if args.logprobs < 0:
+        raise AppoError(f"--logprobs must be >= 0, got {args.logprobs}")
 
     from appo.eval.runner import Evaluator, Grader, eval_settings, load_benchmarks
     from appo.rewards.router import RewardRouter, router_from_config
@@ -87,6 +89,7 @@ def _eval(args: argparse.Namespace) -> int:
                 cfg.eval.base_url, tokenizer, model=args.served_model,
                 timeout=args.request_timeout, max_concurrency=args.concurrency,
                 prompt_format=args.prompt_format, seed=int(cfg.rollout.seed),
+                logprobs=args.logprobs, token_ids=not args.no_token_ids,
             )
             info.update(backend="openai", base_url=cfg.eval.base_url, served_model=engine.model)
         else:
@@ -171,6 +174,13 @@ def register(sub) -> None:
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="send prompts to the server as token ids (exact) or as text")
     p.add_argument("--concurrency", type=int, default=32, help="parallel requests to the server")
+    p.add_argument("--logprobs", type=int, default=0, metavar="N",
+                   help="with --base-url: ask the server for the sampled tokens' log-probs "
+                   "and the top N (recorded in the trajectories; 0: not asked, recorded as 0)")
+    p.add_argument("--no-token-ids", action="store_true",
+                   help="with --base-url: do not ask for the sampled token ids (vLLM's "
+                   "return_token_ids), for servers that reject unknown fields; the returned "
+                   "text is then tokenised locally")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds per HTTP request (server and judge)")
     p.add_argument("--judge-base-url", default=None, help="OpenAI-compatible judge server")

@@ -67,7 +67,7 @@ class JsonClient:
         return urllib.request.Request(url, data=data, headers=headers,
                                       method="POST" if payload is not None else "GET")
 
-    def _once(self, url: str, payload: dict | None) -> dict[str, Any]:
+    def _once(self, url: str, payload: dict | None, empty_ok: bool = False) -> dict[str, Any]:
         try:
             with urllib.request.urlopen(self._request(url, payload), timeout=self.timeout) as r:
                 body = r.read()
@@ -86,6 +86,8 @@ class JsonClient:
         except (ConnectionError, OSError) as e:
             raise HttpError(f"connection to {url} failed: {type(e).__name__}: {e}",
                             retryable=True) from None
+        if empty_ok and not body.strip():
+            return {}  # a bare 200 (e.g. vLLM's /collective_rpc when no worker returns data)
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -95,11 +97,13 @@ class JsonClient:
             raise HttpError(f"{url} returned JSON {type(data).__name__}, expected an object")
         return data
 
-    def call(self, url: str, payload: dict | None = None) -> dict[str, Any]:
-        """POST `payload` (GET when None) and return the JSON reply; HttpError after retries."""
+    def call(self, url: str, payload: dict | None = None,
+             empty_ok: bool = False) -> dict[str, Any]:
+        """POST `payload` (GET when None) and return the JSON reply; HttpError after retries.
+        `empty_ok`: an empty reply body is `{}` rather than an error."""
         for attempt in range(self.retries + 1):
             try:
-                return self._once(url, payload)
+                return self._once(url, payload, empty_ok)
             except HttpError as e:
                 if not e.retryable or attempt == self.retries:
                     raise

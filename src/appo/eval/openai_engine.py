@@ -8,23 +8,32 @@ vLLM extensions, sent only when not neutral).
 `append` adds forced tokens (tool results) locally; the next request carries them. So the
 tool loop and the strategies run unchanged on a remote model.
 
-The returned text is tokenised with the local tokenizer (it must be the served model's
-tokenizer: it also renders the chat template). Prompts go out as token ids by default
-(exact: no second BOS, no re-tokenisation of the prompt); `prompt_format="text"` sends the
-decoded text for servers that only take strings.
+Token out: the request asks for the sampled token ids (`return_token_ids`, a vLLM
+extension; `token_ids=False` leaves it out for strict servers). A server that returns them
+(`choice.token_ids`) is taken at its word: the segment is exactly the sampled tokens, with
+the server's per-token log-probs, and nothing is re-tokenised. vLLM keeps the token that
+completed a stop string and the EOS token in those ids, as the hf engine does. A server
+that returns only text falls back to tokenising the text with the local tokenizer (it must
+be the served model's tokenizer: it also renders the chat template); the two can differ
+where a text has several tokenisations. Prompts go out as token ids by default (exact: no
+second BOS, no re-tokenisation of the prompt); `prompt_format="text"` sends the decoded text
+for servers that only take strings.
 
 Stop strings follow OpenAI semantics: the server strips the matched stop string from the
-text. It is put back, because the tool loop reads the closing tag (docs/algorithms.md
-§1.3). Which stop string matched: vLLM says so in `stop_reason` (None or a token id for EOS);
-a server that echoes it (`include_stop_str_in_output`) shows it at the end of the text; a
-plain OpenAI server says neither, and then an unclosed `<tag>` in the segment names it,
-else it was EOS.
+text. The segment keeps it, because the tool loop reads the closing tag (docs/algorithms.md
+§1.3): the returned ids hold it already; returned text gets it put back (and ids that lack
+it get its tokens, as if sampled). Which stop string matched: vLLM says so in `stop_reason`
+(None or a token id for EOS); a server that echoes it (`include_stop_str_in_output`) shows
+it at the end of the text; a plain OpenAI server says neither, and then an unclosed `<tag>`
+in the segment names it, else it was EOS.
 
 Log-probs and entropy are unknown over HTTP: recorded as 0 (with `logprobs=N`, the server's
-sampled-token log-probs and the top-N entropy proxy are used when the server's tokens line
-up with the local tokenisation). A request that fails (after `JsonClient` retries) ends
-its row with an empty segment of finish "error" and the message (the loop records it as
-`Trajectory.error`): the run goes on and the caller decides (the evaluator records the sample as failed and retries it on a rerun).
+sampled-token log-probs and the top-N entropy proxy are used: per returned token id, or, on
+the text path, when the server's tokens line up with the local tokenisation). Tokens the
+engine adds itself (a put-back stop string, an EOS the server did not return) get 0. A
+request that fails (after `JsonClient` retries) ends its row with an empty segment of finish
+"error" and the message (the loop records it as `Trajectory.error`): the run goes on and the
+caller decides (the evaluator records the sample as failed and retries it on a rerun).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class OpenAICompletionsEngine(TableRows):
         logprobs: int = 0,
         seed: int | None = None,
         client: JsonClient | None = None,
+        token_ids: bool = True,
     ):
         if prompt_format not in PROMPT_FORMATS:
             raise AppoError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
@@ -66,6 +76,7 @@ class OpenAICompletionsEngine(TableRows):
         self.client = client or JsonClient(timeout=timeout, retries=retries)
         self.prompt_format = prompt_format
         self.logprobs = int(logprobs)
+        self.token_ids = bool(token_ids)
         self.seed = seed
         self.max_concurrency = max(1, int(max_concurrency))
         self.model = model or served_model(self.client, base_url)
@@ -105,6 +116,8 @@ class OpenAICompletionsEngine(TableRows):
             payload["repetition_penalty"] = float(params.repetition_penalty)
         if self.logprobs > 0:
             payload["logprobs"] = self.logprobs
+        if self.token_ids:
+            payload["return_token_ids"] = True
         if self.seed is not None:
             self._requests += 1
             payload["seed"] = int(self.seed) + self._requests
@@ -142,6 +155,29 @@ class OpenAICompletionsEngine(TableRows):
                 best = (at, stop)
         return ("stop", best[1]) if best else ("eos", None)
 
+    def _server_ids(self, choice: dict[str, Any]) -> list[int] | None:
+        """The sampled token ids the server returned (vLLM `return_token_ids`), None when it
+        returned none (the text path)."""
+        ids = choice.get("token_ids")
+        if ids is None or not self.token_ids:
+            return None
+        vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and (vocab is None or t < vocab) for t in ids):
+            # Ids outside the local vocabulary mean the tokenizer is not the served model's.
+            raise HttpError(f"{self.url} returned token_ids that are not ids of the local "
+                            f"tokenizer: {str(ids)[:200]}")
+        return ids
+
+    def _stop_tail(self, ids: list[int], stop: str) -> list[int]:
+        """Tokens to add so that `ids` show `stop` at their end: none when its last tokens
+        already hold it (vLLM keeps the completing token), else the stop string's tokens."""
+        window = ids[-(len(stop) + 1):]  # each token adds at least one character of it
+        if stop in self.tokenizer.decode(window, skip_special_tokens=False):
+            return []
+        return list(self.tokenizer.encode(stop, add_special_tokens=False))
+
     def _logprobs_of(self, choice: dict[str, Any], count: int) -> tuple[list[float], list[float]]:
         lp = choice.get("logprobs") or {}
         tokens = lp.get("token_logprobs") or []
@@ -167,17 +203,28 @@ class OpenAICompletionsEngine(TableRows):
             text = choice.get("text")
             if not isinstance(text, str):
                 raise HttpError(f"{self.url} returned a choice without text: {str(choice)[:200]}")
+            server_ids = self._server_ids(choice)
         except HttpError as e:
             return SegmentOutput([], [], [], "error", error=str(e)), 0, 0, str(e)
         finish, stop = self._stop_of(choice, text, row)
-        if stop is not None and not text.endswith(stop):
-            text += stop
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-        logps, topk = self._logprobs_of(choice, len(ids))
-        if finish == "eos" and self.eos_id is not None:
-            ids.append(self.eos_id)
-            logps.append(0.0)
-            topk.append(0.0)
+        if server_ids is not None:
+            # Token out: the server's ids and their log-probs, position by position.
+            ids = list(server_ids)
+            logps, topk = self._logprobs_of(choice, len(ids))
+            extra = self._stop_tail(ids, stop) if stop is not None else []
+            stop_id = choice.get("stop_reason")
+            if finish == "eos" and self.eos_id is not None and not (
+                    ids and (ids[-1] == self.eos_id or ids[-1] == stop_id)):
+                extra = [self.eos_id]
+        else:
+            if stop is not None and not text.endswith(stop):
+                text += stop
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+            logps, topk = self._logprobs_of(choice, len(ids))
+            extra = [self.eos_id] if finish == "eos" and self.eos_id is not None else []
+        ids += extra
+        logps += [0.0] * len(extra)
+        topk += [0.0] * len(extra)
         if len(ids) > budget:
             ids, logps, topk, finish, stop = ids[:budget], logps[:budget], topk[:budget], \
                 "length", None

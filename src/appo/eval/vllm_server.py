@@ -1,0 +1,157 @@
+"""Server mode: wait for a `vllm serve` server and reload its weights from a checkpoint dir.
+
+The rollout engine in server mode is `appo.eval.openai_engine.OpenAICompletionsEngine`
+against the server; this module holds the two control operations around it:
+
+- `wait_for_server(base_url, timeout)`: poll `GET /v1/models` until the server answers
+  (vLLM serves HTTP only once its engine is up), fail early when the server's process died.
+- `reload_server_weights(base_url, weights_dir)`: make the server sample from new weights
+  without a restart. vLLM's dev route `POST /collective_rpc` runs `reload_weights` on every
+  worker with `kwargs={"weights_path": dir}`: the worker points its model config at `dir`
+  and reads the weight files there through its default loader (`*.safetensors`, else
+  `*.bin` / `*.pt`; sharded files are filtered by `model.safetensors.index.json` when there
+  is one). `config.json` and the tokenizer are not read: the dir must hold weights for the
+  served architecture, in checkpoint (Hugging Face) names and shapes. Then
+  `POST /reset_prefix_cache` drops KV blocks computed with the old weights, so a cached
+  prompt prefix is not reused across the update.
+
+Both routes exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`. vLLM's native
+weight transfer (`/init_weight_transfer_engine`, `/update_weights`, backends nccl and ipc)
+streams tensors from the trainer's GPUs and needs CUDA; the checkpoint dir works anywhere the
+server can read the trainer's files (same machine or a shared filesystem).
+
+Call the reload between rollouts: a request in flight during the reload would mix weights.
+A reload that fails after it started (a truncated file, a wrong shape) can leave the
+server's layers half loaded, so the dir is checked here first, and a failure says to
+restart the server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appo.errors import AppoError
+from appo.eval.http import HttpError, JsonClient, endpoint
+
+# What vLLM's default loader reads from a local dir, in its order of preference.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+DEV_MODE_HINT = "start the server with VLLM_SERVER_DEV_MODE=1 to enable it"
+
+
+def server_root(base_url: str) -> str:
+    """The server's root URL: dev routes live beside `/v1`, not under it."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+@dataclass
+class ReloadResult:
+    weights_path: str  # the absolute path the server read
+    seconds: float  # wall time of the reload request (including the prefix-cache reset)
+    worker_results: list[Any]  # what each worker returned (None for vLLM's reload_weights)
+
+
+def wait_for_server(base_url: str, timeout: float = 300.0, poll_s: float = 1.0,
+                    process: subprocess.Popen | None = None) -> str:
+    """Block until the server lists a model on `GET /v1/models`; return the first model id.
+
+    `process`: the server's process, if this program started it; its exit ends the wait
+    at once (a bad flag or an out-of-memory fails in seconds, not after `timeout`).
+    """
+    if timeout <= 0:
+        raise AppoError(f"timeout must be > 0 seconds, got {timeout}")
+    url = endpoint(base_url, "models")
+    # One attempt per poll, each short: the loop is the retry.
+    client = JsonClient(timeout=max(1.0, min(10.0, poll_s * 5)), retries=0)
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while True:
+        if process is not None and process.poll() is not None:
+            raise AppoError(f"the server at {base_url} exited with code {process.returncode} "
+                            "before it was ready; see its log")
+        try:
+            data = client.call(url)
+        except HttpError as e:
+            last = str(e)
+        else:
+            models = data.get("data") or []
+            if models and isinstance(models[0], dict) and "id" in models[0]:
+                return str(models[0]["id"])
+            last = f"{url} lists no models"
+        if time.monotonic() >= deadline:
+            raise AppoError(f"the server at {base_url} was not ready after {timeout:g} s "
+                            f"({last})")
+        time.sleep(poll_s)
+
+
+def check_weights_dir(weights_dir: str | Path) -> Path:
+    """The absolute path of a dir holding weight files vLLM's loader reads; AppoError if not.
+
+    Checked before the request because vLLM treats a path that is not a local dir as a hub
+    id (a download attempt), and an empty dir fails only after the reload began."""
+    path = Path(weights_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise AppoError(f"weights dir {weights_dir} is not a directory")
+    for pattern in WEIGHT_PATTERNS:
+        files = sorted(path.glob(pattern))
+        if files:
+            if any(f.stat().st_size == 0 for f in files):
+                empty = next(f.name for f in files if f.stat().st_size == 0)
+                raise AppoError(f"weights file {path / empty} is empty")
+            return path
+    raise AppoError(f"weights dir {path} holds no weight files "
+                    f"({', '.join(WEIGHT_PATTERNS)}); save the model there first")
+
+
+def _dev_call(client: JsonClient, url: str, payload: dict[str, Any], what: str,
+              on_failure: str = "") -> dict[str, Any]:
+    try:
+        return client.call(url, payload, empty_ok=True)
+    except HttpError as e:
+        if e.status in (404, 405):
+            raise AppoError(f"the server has no /{url.rsplit('/', 1)[-1]} route "
+                            f"(HTTP {e.status}): {what} needs vLLM's dev mode; "
+                            f"{DEV_MODE_HINT}") from None
+        raise AppoError(f"{what} failed: {e}{on_failure}") from None
+
+
+def reload_server_weights(base_url: str, weights_dir: str | Path,
+                          client: JsonClient | None = None, check_local: bool = True,
+                          reset_attempts: int = 5) -> ReloadResult:
+    """Make the vLLM server at `base_url` load the weights saved in `weights_dir`.
+
+    `weights_dir` is read by the server, so it must be a path on the server's filesystem;
+    `check_local=False` skips the local checks for a server that sees other files than
+    this process. `client` defaults to one without retries: a reload is not idempotent
+    enough to repeat blindly, and its time scales with the model (no short timeout).
+    """
+    if check_local:
+        path = str(check_weights_dir(weights_dir))
+    else:
+        path = str(weights_dir)
+    client = client or JsonClient(timeout=1800.0, retries=0)
+    root = server_root(base_url)
+    start = time.perf_counter()
+    reply = _dev_call(client, f"{root}/collective_rpc",
+                      {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                      f"reloading weights from {path}",
+                      "; the server's weights may be partly replaced: restart it")
+    results = reply.get("results") if isinstance(reply, dict) else None
+    # Reset the prefix cache; vLLM answers success=false while blocks are still held by
+    # running requests, and asks callers to retry.
+    for attempt in range(max(1, reset_attempts)):
+        done = _dev_call(client, f"{root}/reset_prefix_cache", {},
+                         "resetting the prefix cache after a weight reload")
+        if done.get("success", True):
+            break
+        if attempt == max(1, reset_attempts) - 1:
+            raise AppoError(f"the server at {root} reloaded the weights but did not reset its "
+                            "prefix cache (requests still running?); cached prefixes may "
+                            "hold old-weight KV")
+        time.sleep(0.5 * (attempt + 1))
+    return ReloadResult(path, time.perf_counter() - start,
+                        list(results) if isinstance(results, list) else [])
