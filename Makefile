@@ -61,7 +61,7 @@ vllm-env: $(VLLM_STAMP)
 
 # The tests that run a real vLLM (marker vllm), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -m vllm tests/vllm
+	$(VLLM_BIN)/python -m pytest -q -m vllm tests/with_vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -2,7 +2,7 @@
 
 A module of its own, not a name in tests/conftest.py: `from conftest import ...` finds
 whichever conftest.py pytest imported last under that name, which in a full run is a
-subfolder's (tests/vllm/conftest.py), not the root one.
+subfolder's (tests/with_vllm/conftest.py), not the root one.
 """
 
 from __future__ import annotations

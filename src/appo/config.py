@@ -92,6 +92,12 @@ class RolloutConfig:
     # KV cache size in GiB (vLLM's kv_cache_memory_bytes); null: 2 on CPU (vLLM would
     # otherwise reserve most of the RAM), gpu_memory_utilization decides on GPUs
     kv_cache_gib: float | None = None
+    # openai engine (server mode): the servers' base URLs (e.g. vllm serve processes), rows
+    # spread over them by prompt group; after each update the policy is saved to
+    # weights_dir (null: <trainer.default_local_dir>/rollout_weights), which every server
+    # must be able to read, and each server reloads it (vLLM dev mode)
+    base_urls: list[str] = field(default_factory=list)
+    weights_dir: str | None = None
     tensor_model_parallel_size: int = 1
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -252,7 +258,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.device": ("auto", "cpu", "cuda"),
     "data.template": ("code_search", "math", "search"),
     "data.overlong": ("skip", "fail"),
-    "rollout.name": ("hf", "vllm"),
+    "rollout.name": ("hf", "vllm", "openai"),
     "trainer.parallel": ("auto", "ddp", "fsdp"),
     "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),

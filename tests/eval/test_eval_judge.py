@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from eval_server import Reply, ScriptedServer, chat
 
-from appo.eval.http import JsonClient
 from appo.eval.judge import Judge, JudgeRequest, parse_verdict
+from appo.http import JsonClient
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,10 @@ import math
 import pytest
 from eval_server import Reply, ScriptedServer, completion
 
-from appo.eval.http import JsonClient
-from appo.eval.openai_engine import OpenAICompletionsEngine
+from appo.http import JsonClient
 from appo.models.tiny import build_tiny_tokenizer
 from appo.rollout.loop import RolloutPrompt
+from appo.rollout.openai_engine import OpenAICompletionsEngine
 from appo.rollout.sampling import SamplingParams
 from appo.rollout.settings import RolloutSettings
 from appo.rollout.strategies import rollout_grpo
@@ -361,3 +361,55 @@ def test_grpo_tool_loop_on_server_token_ids(server, tok):
     call = traj.tool_calls[0]
     assert traj.response_ids[: call.result_start] == first
     assert traj.response_ids[call.result_end:] == final
+
+
+def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
+    """Rows go to the servers in turn by root (forks stay on their parent's server, where
+    the shared prefix is cached); `sync_weights` saves once and has every server reload."""
+    reloads: dict[int, list] = {0: [], 1: []}
+    servers = []
+    for i in range(2):
+        def reload(body, i=i):
+            reloads[i].append(body)
+            return {"results": [None]}
+
+        s = ScriptedServer(routes={"/collective_rpc": reload,
+                                   "/reset_prefix_cache": lambda body: {"success": True}})
+        s.completions = lambda body, i=i: completion(f"s{i}", finish="length")
+        servers.append(s)
+    try:
+        engine = OpenAICompletionsEngine([s.url for s in servers], tok, client=fast_client())
+        roots = [engine.add_row([5, 6, 7]) for _ in range(3)]
+        kids = engine.fork(roots[1], 2)
+        outs = engine.decode(roots + kids, [8] * 5, PARAMS)
+        texts = [tok.decode(o.token_ids) for o in outs]
+        assert texts == ["s0", "s1", "s0", "s1", "s1"]
+        assert len(servers[0].posts()) == 2 and len(servers[1].posts()) == 3
+
+        class Saved:
+            def save_pretrained(self, path, safe_serialization=True):
+                (tmp_path / "w").mkdir(exist_ok=True)
+                (tmp_path / "w" / "model.safetensors").write_bytes(b"x")
+
+        engine.weights_dir = str(tmp_path / "w")
+        engine.sync_weights(Saved())
+        for i in range(2):
+            [body] = reloads[i]
+            assert body["method"] == "reload_weights"
+            assert body["kwargs"] == {"weights_path": str((tmp_path / "w").resolve())}
+        assert engine.weight_syncs == 1
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_openai_engine_config_errors_are_one_line():
+    from appo.config import load_config
+    from appo.errors import AppoError
+    from appo.rollout import build_engine
+
+    cfg = load_config(overrides=["rollout.name=openai"])
+    with pytest.raises(AppoError, match="rollout.base_urls"):
+        build_engine(cfg, None)
+    with pytest.raises(AppoError, match="list of URLs"):
+        OpenAICompletionsEngine([], build_tiny_tokenizer())

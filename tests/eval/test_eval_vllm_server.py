@@ -1,9 +1,9 @@
-"""Server-mode control (`appo.eval.vllm_server`) against a scripted server on 127.0.0.1.
+"""Server-mode control (`appo.rollout.vllm_server`) against a scripted server on 127.0.0.1.
 
 The weight reload calls vLLM's dev routes in order and names the fix when they are missing
 (no dev mode) or fail; a bad weights dir is refused before any request; waiting for a
 server ends on readiness, on timeout, or when the server's process dies. The same calls
-against a real `vllm serve` are in tests/vllm/.
+against a real `vllm serve` are in tests/with_vllm/.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from eval_server import Reply, ScriptedServer
 
 from appo.errors import AppoError
-from appo.eval.http import JsonClient
-from appo.eval.vllm_server import (
+from appo.http import JsonClient
+from appo.rollout.vllm_server import (
     check_weights_dir,
     reload_server_weights,
     server_root,

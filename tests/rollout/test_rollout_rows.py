@@ -9,10 +9,10 @@ import torch
 from rollout_fakes import tiny_tokenizer
 
 from appo.errors import AppoError
-from appo.eval.http import JsonClient
-from appo.eval.openai_engine import OpenAICompletionsEngine
+from appo.http import JsonClient
 from appo.rollout.engine import Engine
 from appo.rollout.hf_batch import HFRow, KVBlock
+from appo.rollout.openai_engine import OpenAICompletionsEngine
 from appo.rollout.rows import Row, RowTable, TableRows, fork_point
 from appo.rollout.vllm_engine import VLLMEngine
 

@@ -82,7 +82,7 @@ def _eval(args: argparse.Namespace) -> int:
         settings = eval_settings(cfg, k, tags)
         info = {"model": cfg.model.path, "benchmarks": {b.name: b.spec for b in benchmarks}}
         if cfg.eval.base_url:
-            from appo.eval.openai_engine import OpenAICompletionsEngine
+            from appo.rollout.openai_engine import OpenAICompletionsEngine
 
             tokenizer = load_tokenizer(cfg.model.path)
             engine = OpenAICompletionsEngine(

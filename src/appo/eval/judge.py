@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from appo.eval.http import HttpError, JsonClient, endpoint, served_model
+from appo.http import HttpError, JsonClient, endpoint, served_model
 
 PROMPT_VERSION = 1
 JUDGE_PROMPT = """You are an evaluation assistant. Please determine if the predicted answer \

@@ -4,7 +4,7 @@
 Generation is `appo.rollout.strategies.sample`, the same call that generates the trainer's
 validation, `appo demo` and `grpo` rollouts: k independent trajectories per question,
 through the same `ToolLoop` the trainer uses, on any engine (the local `hf` engine or an
-OpenAI-compatible server, `appo.eval.openai_engine`). Work is cut into chunks of
+OpenAI-compatible server, `appo.rollout.openai_engine`). Work is cut into chunks of
 `batch_size` samples; each chunk is one batched rollout, then graded and appended to
 `<out>/<benchmark>/samples.jsonl` (and the full trajectories to `trajectories.jsonl`, which
 `appo view` renders), so an interrupted run resumes where it stopped.

@@ -31,7 +31,7 @@ from appo.rollout.settings import RolloutSettings
 from appo.rollout.strategies import STRATEGIES, get_strategy
 
 # `rollout.name` values (kept in step with appo.config.CHOICES by a test).
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "openai")
 
 __all__ = [
     "ENGINES",
@@ -60,7 +60,8 @@ def rollout(prompts, engine, tools, settings: RolloutSettings, strategy: str = "
 
 
 def build_engine(cfg: Any, lm: Any = None, **kwargs: Any):
-    """The engine named by `rollout.name`: `hf` on a loaded model, or `vllm` (lazy import)."""
+    """The engine named by `rollout.name`: `hf` on a loaded model, `vllm` (lazy import, an
+    in-process `vllm.LLM`) or `openai` (OpenAI-compatible servers, `rollout.base_urls`)."""
     from appo.errors import AppoError
 
     name = cfg.rollout.name
@@ -75,4 +76,27 @@ def build_engine(cfg: Any, lm: Any = None, **kwargs: Any):
 
         return VLLMEngine.from_config(cfg, tokenizer=None if lm is None else lm.tokenizer,
                                       **kwargs)
-    raise AppoError(f"unknown rollout engine {name!r} (choose from hf, vllm)")
+    if name == "openai":
+        return _server_engine(cfg, lm)
+    raise AppoError(f"unknown rollout engine {name!r} (choose from {', '.join(ENGINES)})")
+
+
+def _server_engine(cfg: Any, lm: Any):
+    """`rollout.name=openai`: OpenAI-compatible servers (vLLM) for rollouts, with the
+    top-20 log-probs of every sampled token (behaviour log-prob and entropy proxy)."""
+    from pathlib import Path
+
+    from appo.errors import AppoError
+    from appo.rollout.openai_engine import OpenAICompletionsEngine
+
+    r = cfg.rollout
+    if not r.base_urls:
+        raise AppoError("rollout.name=openai needs rollout.base_urls=[http://HOST:PORT,...] "
+                        "(servers started with vllm's api_server)")
+    if lm is None:
+        raise AppoError("the openai rollout engine needs the policy's tokenizer")
+    engine = OpenAICompletionsEngine(list(r.base_urls), lm.tokenizer, logprobs=20,
+                                     seed=int(r.seed))
+    engine.weights_dir = str(Path(r.weights_dir or Path(cfg.trainer.default_local_dir)
+                                  / "rollout_weights").expanduser().resolve())
+    return engine

@@ -225,7 +225,8 @@ class RLTrainer:
     def sync_rollout_weights(self) -> None:
         """Bring the rollout engine up to the policy after an update: under FSDP copy the
         updated shards into the engine's whole replica (a collective); an engine that holds
-        its own copy of the weights (vllm) then loads them. Every rank syncs its own engine."""
+        its own copy of the weights (vllm, servers) then loads them. Every rank syncs its own
+        engine; servers shared by all ranks are synced by rank 0."""
         if not self._rollout_stale:
             return
         if self.fsdp:
@@ -235,7 +236,13 @@ class RLTrainer:
                 full_model_state(self.model), strict=False))
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None:
-            sync(self.rollout_model)
+            if getattr(self.engine, "shared_by_ranks", False):
+                # Servers every rank talks to: rank 0 saves and reloads them, once.
+                if self.dp.is_main:
+                    sync(self.rollout_model)
+                self.dp.gather_objects([])  # the others wait for it (a barrier)
+            else:
+                sync(self.rollout_model)
         self._rollout_stale = False
 
     def save(self) -> Path | None:

@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
 pytestmark = pytest.mark.vllm
 LOGP_TOL = 5e-4  # derived in test_vllm_engine.py
 

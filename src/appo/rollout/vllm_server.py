@@ -1,6 +1,6 @@
 """Server mode: wait for a `vllm serve` server and reload its weights from a checkpoint dir.
 
-The rollout engine in server mode is `appo.eval.openai_engine.OpenAICompletionsEngine`
+The rollout engine in server mode is `appo.rollout.openai_engine.OpenAICompletionsEngine`
 against the server; this module holds the two control operations around it:
 
 - `wait_for_server(base_url, timeout)`: poll `GET /v1/models` until the server answers
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
-from appo.eval.http import HttpError, JsonClient, endpoint
+from appo.http import HttpError, JsonClient, endpoint
 
 # What vLLM's default loader reads from a local dir, in its order of preference.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")

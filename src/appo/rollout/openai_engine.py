@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from appo.errors import AppoError
-from appo.eval.http import HttpError, JsonClient, endpoint, served_model
+from appo.http import HttpError, JsonClient, endpoint, served_model
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.records import EngineCounters
 from appo.rollout.rows import Row, RowTable, TableRows
@@ -51,12 +52,21 @@ from appo.rollout.rows import Row, RowTable, TableRows
 PROMPT_FORMATS = ("ids", "text")
 
 
+@dataclass
+class ServerRow(Row):
+    """A row and the server that decodes it (forks inherit it: a group's rows and a
+    parent's branches meet their shared prefix in that server's prefix cache)."""
+
+    server: int = 0
+
+
 class OpenAICompletionsEngine(TableRows):
     name = "openai"
+    shared_by_ranks = True  # every training rank reaches the same servers
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | list[str],
         tokenizer: Any,
         model: str | None = None,
         timeout: float = 120.0,
@@ -70,8 +80,14 @@ class OpenAICompletionsEngine(TableRows):
     ):
         if prompt_format not in PROMPT_FORMATS:
             raise AppoError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
-        self.base_url = base_url
-        self.url = endpoint(base_url, "completions")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or not all(isinstance(u, str) and u for u in urls):
+            raise AppoError(f"base_url must be a URL or a non-empty list of URLs, got "
+                            f"{base_url!r}")
+        self.base_urls = urls
+        self.base_url = urls[0]
+        self.urls = [endpoint(u, "completions") for u in urls]
+        self.url = self.urls[0]
         self.tokenizer = tokenizer
         self.client = client or JsonClient(timeout=timeout, retries=retries)
         self.prompt_format = prompt_format
@@ -79,17 +95,42 @@ class OpenAICompletionsEngine(TableRows):
         self.token_ids = bool(token_ids)
         self.seed = seed
         self.max_concurrency = max(1, int(max_concurrency))
-        self.model = model or served_model(self.client, base_url)
+        self.model = model or served_model(self.client, self.base_url)
         self.counters = EngineCounters()
         self.stop_strings: list[str] = []
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_id = None if eos is None else int(eos)
-        self.rows: RowTable[Row] = RowTable()
+        self.rows: RowTable[ServerRow] = RowTable(ServerRow)
         self._requests = 0
+        self._roots = 0
+        self.weights_dir: str | None = None  # where sync_weights saves for the servers
+        self.weight_syncs = 0
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
         self.stop_strings = [s for s in stop_strings if s]
+
+    def add_row(self, prompt_ids: list[int]) -> int:
+        """A root row, on the next server in turn."""
+        rid = self.rows.add(prompt_ids)
+        self.rows[rid].server = self._roots % len(self.urls)
+        self._roots += 1
+        return rid
+
+    def sync_weights(self, model: Any) -> None:
+        """Save `model` to `weights_dir` (safetensors, Hugging Face names) and have every
+        server reload from it (`appo.rollout.vllm_server.reload_server_weights`: vLLM's dev
+        route, then a prefix-cache reset). The servers read the directory, so it must be on
+        a filesystem they share with this process."""
+        from appo.rollout.vllm_server import reload_server_weights
+
+        if self.weights_dir is None:
+            raise AppoError("the openai engine has no weights_dir to save the policy to for "
+                            "its servers (rollout.weights_dir)")
+        model.save_pretrained(self.weights_dir, safe_serialization=True)
+        for url in self.base_urls:
+            reload_server_weights(url, self.weights_dir)
+        self.weight_syncs += 1
 
     def prefill(self, rows: list[int]) -> None:
         """Nothing to do: the server caches prefixes itself (vLLM prefix caching)."""
@@ -194,15 +235,16 @@ class OpenAICompletionsEngine(TableRows):
     def _one(self, rid: int, budget: int, payload: dict[str, Any]
              ) -> tuple[SegmentOutput, int, int, str | None]:
         row = self.rows[rid]
+        url = self.urls[row.server]
         try:
-            data = self.client.call(self.url, payload)
+            data = self.client.call(url, payload)
             choices = data.get("choices")
             if not choices or not isinstance(choices[0], dict):
-                raise HttpError(f"{self.url} returned no choices: {str(data)[:200]}")
+                raise HttpError(f"{url} returned no choices: {str(data)[:200]}")
             choice = choices[0]
             text = choice.get("text")
             if not isinstance(text, str):
-                raise HttpError(f"{self.url} returned a choice without text: {str(choice)[:200]}")
+                raise HttpError(f"{url} returned a choice without text: {str(choice)[:200]}")
             server_ids = self._server_ids(choice)
         except HttpError as e:
             return SegmentOutput([], [], [], "error", error=str(e)), 0, 0, str(e)

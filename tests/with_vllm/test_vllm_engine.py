@@ -23,8 +23,6 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
 pytestmark = pytest.mark.vllm
 LOGP_TOL = 5e-4
 N = 4

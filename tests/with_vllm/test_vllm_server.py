@@ -10,7 +10,9 @@ One server for the module (`vllm_server` in conftest.py). It checks that:
   completions requests of each model segment) and, greedy, gives the same samples and
   summary as `appo eval` on the local hf engine;
 - `reload_server_weights` makes the server compute the log-probs of a modified checkpoint
-  (equal to the hf model's on the same weights), then restores the original weights.
+  (equal to the hf model's on the same weights), then restores the original weights;
+- `appo train rollout.name=openai` trains against the server: after each update the server
+  reloads the policy, so step 2's rollout log-probs are those of the step-1 checkpoint.
 
 Tolerance for log-probs, float32 on both sides: vLLM's CPU kernels and torch's (HF) sum in
 different orders; on this model the gap measured 3e-5 at most over 26 tokens (the test
@@ -28,16 +30,16 @@ from pathlib import Path
 import pytest
 
 from appo.cli import main
-from appo.eval.http import JsonClient, endpoint
-from appo.eval.openai_engine import OpenAICompletionsEngine
 from appo.eval.records import read_samples
-from appo.eval.vllm_server import reload_server_weights
+from appo.http import JsonClient, endpoint
 from appo.rollout.loop import RolloutPrompt
+from appo.rollout.openai_engine import OpenAICompletionsEngine
 from appo.rollout.records import Trajectory, read_jsonl
 from appo.rollout.sampling import SamplingParams
 from appo.rollout.settings import RolloutSettings
 from appo.rollout.stops import tool_stop_strings
 from appo.rollout.strategies import rollout_grpo
+from appo.rollout.vllm_server import reload_server_weights
 from appo.tools.base import ToolResult
 
 pytestmark = pytest.mark.vllm
@@ -263,3 +265,44 @@ def test_weight_reload_serves_the_new_weights(vllm_server, tokenizer, tmp_path):
     assert max(moved) > 100 * TOL and sum(moved) / len(moved) > 10 * TOL
     assert _gap(restored, old_hf) <= TOL
     assert all(math.isfinite(x) for x in new_server)
+
+
+# ---------------------------------------------------------------- training in server mode
+def test_train_against_the_server_reloads_the_policy(vllm_server, tmp_path):
+
+    from appo.models import load_model
+
+    out = tmp_path / "run"
+    args = ["train", "model.path=smollm2-135m", "rollout.name=openai",
+            f"rollout.base_urls=['{vllm_server.url}']", "rollout.strategy=grpo", "rollout.n=2",
+            "data.template=math", "tools.enabled=[python]",
+            "data.train_files=['synth:arith?split=train&levels=1&n=8']",
+            "data.train_batch_size=2", "data.max_response_length=48",
+            # group advantages may all be 0 for the base model; the entropy bonus keeps the
+            # update non-zero (Adam then moves every weight by about lr)
+            "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1",
+            "trainer.total_steps=2", f"trainer.default_local_dir={out}",
+            f"trainer.rollout_data_dir={out / 'rollouts'}"]
+    try:
+        assert main(args) == 0
+    finally:
+        reload_server_weights(vllm_server.url, vllm_server.model)  # leave it as it was
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (out / "rollout_weights" / "model.safetensors").is_file()
+    trajs = read_jsonl(out / "rollouts" / "step_00002.jsonl")
+    gaps = {}
+    for name, path in (("step1", out / "global_step_1"), ("base", "smollm2-135m")):
+        model = load_model(str(path), device="cpu").model
+        worst = 0.0
+        for t in trajs:
+            ids = t.prompt_ids + t.response_ids
+            hf = _hf_logprobs(model, ids)
+            p = len(t.prompt_ids)
+            for k, sampled in enumerate(t.sampled_mask()):
+                # the engine's own EOS / put-back stop tokens carry 0: skip those
+                if sampled and t.logp_rollout[k] != 0.0:
+                    worst = max(worst, abs(hf[p + k - 1] - t.logp_rollout[k]))
+        gaps[name] = worst
+    assert gaps["step1"] <= TOL, gaps
+    assert gaps["base"] > 10 * TOL, gaps  # without the reload the server would be stale
