@@ -386,18 +386,20 @@ def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
         assert texts == ["s0", "s1", "s0", "s1", "s1"]
         assert len(servers[0].posts()) == 2 and len(servers[1].posts()) == 3
 
-        class Saved:
-            def save_pretrained(self, path, safe_serialization=True):
-                (tmp_path / "w").mkdir(exist_ok=True)
-                (tmp_path / "w" / "model.safetensors").write_bytes(b"x")
+        import torch
 
+        model = torch.nn.Linear(2, 2)
         engine.weights_dir = str(tmp_path / "w")
-        engine.sync_weights(Saved())
+        engine.sync_weights(model)
         for i in range(2):
             [body] = reloads[i]
             assert body["method"] == "reload_weights"
             assert body["kwargs"] == {"weights_path": str((tmp_path / "w").resolve())}
         assert engine.weight_syncs == 1
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "w" / "model.safetensors")
+        assert torch.equal(saved["weight"], model.weight) and sorted(saved) == ["bias", "weight"]
     finally:
         for s in servers:
             s.close()
@@ -413,3 +415,21 @@ def test_openai_engine_config_errors_are_one_line():
         build_engine(cfg, None)
     with pytest.raises(AppoError, match="list of URLs"):
         OpenAICompletionsEngine([], build_tiny_tokenizer())
+
+
+def test_save_state_keeps_tied_weights(tmp_path):
+    """A tied LM head is written too (save_pretrained drops it): a server reloading from the
+    directory must see every weight the policy has."""
+    import torch
+    from safetensors.torch import load_file
+
+    from appo.rollout.openai_engine import save_state
+
+    model = torch.nn.Module()
+    model.embed, model.head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+    model.head.weight = model.embed.weight
+    save_state(model, str(tmp_path / "w"))
+    saved = load_file(tmp_path / "w" / "model.safetensors")
+    assert sorted(saved) == ["embed.weight", "head.weight"]
+    assert torch.equal(saved["head.weight"], model.embed.weight)
+    assert not (tmp_path / "w" / "model.safetensors.tmp").exists()
