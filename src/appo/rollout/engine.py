@@ -13,6 +13,10 @@ It knows nothing of tools, rewards or strategies. Operations:
 - `decode(rows, max_new_tokens, params)`: sample one segment per row until a stop string,
   EOS or the row's budget; returns ids with behaviour log-prob and entropy per token.
 - `release(rows)`: free rows (and their cache) that will not be used again.
+- `sync_weights(model)` (optional): an engine holding its own copy of the policy (vllm, the
+  servers of the openai engine) loads `model`'s current weights; the trainer calls it
+  before the first rollout and after every update. The hf engine samples from the
+  trainer's module itself and has none.
 
 `counters` (tokens prefilled / decoded / reused) are cumulative; callers diff them. The row
 operations are implemented once, in `appo.rollout.rows`, for every engine.
