@@ -423,7 +423,7 @@ def test_save_state_keeps_tied_weights(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from appo.rollout.openai_engine import save_state
+    from appo.rollout.vllm_server import save_state
 
     model = torch.nn.Module()
     model.embed, model.head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)

@@ -4,7 +4,8 @@ One in-process `vllm.LLM` serves the whole module (start-up ~80 s after the firs
 Checked: every strategy fills exactly `n` trajectories per prompt with the python tool; the
 recorded behaviour log-prob of every sampled token equals a full HF forward of the same ids;
 after an optimizer step, `sync_weights` makes vLLM's log-probs equal the updated HF model's,
-and without the sync they do not (so the check can fail).
+and without the sync they do not (so the check can fail); the file route of a sync (the
+engine core in a child process, under DDP/FSDP) restores the base weights.
 
 Tolerance (LOGP_TOL): both sides compute in float32 but with different kernels (vLLM's CPU
 attention and fused qkv / gate-up GEMMs against HF's eager modules), so the logits differ
@@ -147,5 +148,13 @@ def test_sync_after_an_optimizer_step(cfg, lm, engine, prompts):
     assert engine.weight_syncs == syncs + 1
     fresh = sample()
     assert max(logp_errors(model, fresh)) < LOGP_TOL
-    engine.sync_weights(lm.model)  # leave the module's engine on the base weights
+    # Back to the base weights through the route an engine core in a child process takes
+    # (DDP/FSDP): a safetensors file the worker reloads from. A no-op would leave vLLM on
+    # the updated weights and fail this check.
+    assert engine.in_process
+    engine.in_process = False
+    try:
+        engine.sync_weights(lm.model)
+    finally:
+        engine.in_process = True
     assert max(logp_errors(lm.model, sample())) < LOGP_TOL

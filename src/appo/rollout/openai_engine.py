@@ -52,30 +52,6 @@ from appo.rollout.rows import Row, RowTable, TableRows
 PROMPT_FORMATS = ("ids", "text")
 
 
-def save_state(model: Any, weights_dir: str) -> None:
-    """Every entry of `model.state_dict()` to `weights_dir/model.safetensors`, tied ones
-    included (`save_pretrained` drops a tied `lm_head.weight`; a server told to reload then
-    kept a stale LM head), written to a temporary file first so a reload never reads half a
-    file."""
-    import os
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    out = Path(weights_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: set[int] = set()
-    state = {}
-    for name, t in model.state_dict().items():
-        t = t.detach()
-        # safetensors refuses tensors that share memory: copy all but the first of a tie
-        state[name] = t.clone().contiguous() if t.data_ptr() in seen else t.contiguous()
-        seen.add(t.data_ptr())
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-
-
 @dataclass
 class ServerRow(Row):
     """A row and the server that decodes it (forks inherit it: a group's rows and a
@@ -146,7 +122,7 @@ class OpenAICompletionsEngine(TableRows):
         server reload from it (`appo.rollout.vllm_server.reload_server_weights`: vLLM's dev
         route, then a prefix-cache reset). The servers read the directory, so it must be on
         a filesystem they share with this process."""
-        from appo.rollout.vllm_server import reload_server_weights
+        from appo.rollout.vllm_server import reload_server_weights, save_state
 
         if self.weights_dir is None:
             raise AppoError("the openai engine has no weights_dir to save the policy to for "

@@ -148,6 +148,9 @@ class VLLMEngine(TableRows):
         self.rows: RowTable[Row] = RowTable()
         self._requests = 0
         self.weight_syncs = 0
+        # Whether vLLM's engine core runs in this process (weights can pass by reference).
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        self.in_process = core is None or type(core).__name__ == "InprocClient"
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None, **kwargs: Any) -> VLLMEngine:
@@ -169,12 +172,27 @@ class VLLMEngine(TableRows):
 
         Goes through the worker's `reload_weights` (vLLM's in-place reload, which maps
         checkpoint names such as `q_proj`/`k_proj`/`v_proj` onto its fused layers). With
-        the engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what `start_llm`
-        sets) the tensors are handed over by reference, no copy through a socket.
+        the engine core in this process (what `start_llm` sets up outside DDP/FSDP) the
+        tensors are handed over by reference. With the core in a child process they go
+        through a safetensors file in a temporary directory, which the worker reloads from:
+        vLLM's message encoding does not carry a list of (name, tensor) pairs intact.
         """
-        weights = [(name, t.detach()) for name, t in model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self.in_process:
+            weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": weights, "is_checkpoint_format": True})
+        else:
+            import shutil
+            import tempfile
+
+            from appo.rollout.vllm_server import save_state
+
+            tmp = tempfile.mkdtemp(prefix="appo-vllm-weights-")
+            try:
+                save_state(model, tmp)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         self.llm.reset_prefix_cache()
         self.weight_syncs += 1
 

@@ -155,3 +155,27 @@ def reload_server_weights(base_url: str, weights_dir: str | Path,
         time.sleep(0.5 * (attempt + 1))
     return ReloadResult(path, time.perf_counter() - start,
                         list(results) if isinstance(results, list) else [])
+
+
+def save_state(model: Any, weights_dir: str) -> None:
+    """Every entry of `model.state_dict()` to `weights_dir/model.safetensors`, tied ones
+    included (`save_pretrained` drops a tied `lm_head.weight`; a server told to reload then
+    kept a stale LM head), written to a temporary file first so a reload never reads half a
+    file."""
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(weights_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        # safetensors refuses tensors that share memory: copy all but the first of a tie
+        state[name] = t.clone().contiguous() if t.data_ptr() in seen else t.contiguous()
+        seen.add(t.data_ptr())
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
