@@ -237,6 +237,10 @@ def test_server_logprobs_when_tokens_line_up(server, tok):
     # Top-k entropy proxy: -sum p log p over the returned top log-probs of each position.
     h0 = -(0.9048374180359595 * -0.1 + 0.09071795328941251 * -2.4)
     assert out.topk_entropies == pytest.approx([h0, -(0.8187307530779818 * -0.2)])
+    # Entropy lower bound: the same plus the missing mass r = 1 - sum p as one token.
+    r0, r1 = 1 - 0.9048374180359595 - 0.09071795328941251, 1 - 0.8187307530779818
+    assert out.entropies == pytest.approx([h0 - r0 * math.log(r0),
+                                           -(0.8187307530779818 * -0.2) - r1 * math.log(r1)])
     [out] = engine.decode([rid], [3], PARAMS)  # 3 local tokens, 2 from the server: unknown
     assert out.logps == [0.0, 0.0, 0.0]
 

@@ -219,18 +219,26 @@ class OpenAICompletionsEngine(TableRows):
             return []
         return list(self.tokenizer.encode(stop, add_special_tokens=False))
 
-    def _logprobs_of(self, choice: dict[str, Any], count: int) -> tuple[list[float], list[float]]:
+    def _logprobs_of(self, choice: dict[str, Any], count: int
+                     ) -> tuple[list[float], list[float], list[float]]:
+        """Per token: the sampled token's log-prob, the entropy lower bound from the top-N
+        log-probs plus the rest as one bucket, and the top-10 proxy (as the vllm engine);
+        zeros where the server sent none."""
+        from appo.rollout.vllm_engine import entropy_from_top_logprobs
+
         lp = choice.get("logprobs") or {}
         tokens = lp.get("token_logprobs") or []
         top = lp.get("top_logprobs") or []
         if self.logprobs <= 0 or len(tokens) != count:
-            return [0.0] * count, [0.0] * count
+            return [0.0] * count, [0.0] * count, [0.0] * count
         logps = [float(v) if v is not None and math.isfinite(v) else 0.0 for v in tokens]
-        ents = []
+        ents, tops = [], []
         for entry in top if len(top) == count else [{}] * count:
             values = [v for v in (entry or {}).values() if v is not None and math.isfinite(v)]
-            ents.append(-sum(math.exp(v) * v for v in values))
-        return logps, ents
+            h, h10 = entropy_from_top_logprobs(values) if values else (0.0, 0.0)
+            ents.append(h)
+            tops.append(h10)
+        return logps, ents, tops
 
     def _one(self, rid: int, budget: int, payload: dict[str, Any]
              ) -> tuple[SegmentOutput, int, int, str | None]:
@@ -252,7 +260,7 @@ class OpenAICompletionsEngine(TableRows):
         if server_ids is not None:
             # Token out: the server's ids and their log-probs, position by position.
             ids = list(server_ids)
-            logps, topk = self._logprobs_of(choice, len(ids))
+            logps, ents, topk = self._logprobs_of(choice, len(ids))
             extra = self._stop_tail(ids, stop) if stop is not None else []
             stop_id = choice.get("stop_reason")
             if finish == "eos" and self.eos_id is not None and not (
@@ -262,17 +270,18 @@ class OpenAICompletionsEngine(TableRows):
             if stop is not None and not text.endswith(stop):
                 text += stop
             ids = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-            logps, topk = self._logprobs_of(choice, len(ids))
+            logps, ents, topk = self._logprobs_of(choice, len(ids))
             extra = [self.eos_id] if finish == "eos" and self.eos_id is not None else []
         ids += extra
         logps += [0.0] * len(extra)
+        ents += [0.0] * len(extra)
         topk += [0.0] * len(extra)
         if len(ids) > budget:
-            ids, logps, topk, finish, stop = ids[:budget], logps[:budget], topk[:budget], \
-                "length", None
+            ids, logps, ents, topk = ids[:budget], logps[:budget], ents[:budget], topk[:budget]
+            finish, stop = "length", None
         usage = data.get("usage") or {}
         prompt_tokens = int(usage.get("prompt_tokens") or len(row.ids))
-        out = SegmentOutput(ids, logps, [0.0] * len(ids), finish, stop, topk)
+        out = SegmentOutput(ids, logps, ents, finish, stop, topk)
         return out, prompt_tokens, len(ids), None
 
     def decode(self, rows: list[int], max_new_tokens: list[int] | int,
