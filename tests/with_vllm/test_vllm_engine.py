@@ -158,3 +158,20 @@ def test_sync_after_an_optimizer_step(cfg, lm, engine, prompts):
     finally:
         engine.in_process = True
     assert max(logp_errors(lm.model, sample())) < LOGP_TOL
+
+
+def test_many_long_prompts_in_one_call(engine):
+    """32 seeded rows of ~290 prompt tokens in one call exceed vLLM's per-step token budget
+    (4096 on CPU): with chunked prefill vLLM 0.32's CPU worker failed on the seeded requests
+    ("CPU Generator does not use offset"); start_llm turns chunked prefill off on CPU."""
+    from appo.rollout.sampling import SamplingParams
+
+    rows = [engine.add_row([100 + (7 * i + 13 * j) % 30000 for j in range(290)])
+            for i in range(32)]
+    try:
+        outs = engine.decode(rows, [2] * 32, SamplingParams(temperature=1.0))
+        # every row sampled its 2 tokens (or stopped at EOS after 1)
+        assert all(len(o.token_ids) == 2 or o.finish == "eos" for o in outs)
+        assert all(o.token_ids for o in outs)
+    finally:
+        engine.release(rows)

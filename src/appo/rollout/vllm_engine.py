@@ -74,6 +74,7 @@ def start_llm(cfg: Any) -> Any:
       trainer in the same process keeps its threads.
     - `rollout.kv_cache_gib` bounds the KV cache (on CPU vLLM otherwise reserves most of the
       machine's RAM): default 2 GiB on CPU, `gpu_memory_utilization` decides on GPUs.
+    - On CPU chunked prefill is off (a vLLM 0.32 CPU bug with seeded requests, below).
     """
     import os
 
@@ -106,8 +107,20 @@ def start_llm(cfg: Any) -> Any:
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     kv_gib = r.kv_cache_gib
-    if kv_gib is None and not torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available()
+    if kv_gib is None and on_cpu:
         kv_gib = 2.0
+    extra: dict[str, Any] = {}
+    if on_cpu:
+        # vLLM 0.32's CPU worker fails ("CPU Generator does not use offset") when the prefill
+        # of a seeded request is chunked, i.e. as soon as one call's prompts exceed the
+        # step's token budget (e.g. 32 rows of 290 tokens). Without chunked prefill each
+        # prompt is prefilled whole; the budget must then hold the longest sequence.
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(cfg.model.trust_remote_code))
+        longest = int(getattr(hf, "max_position_embeddings", 0) or 8192)
+        extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(longest, 4096)}
     try:
         llm = LLM(
             model=path,
@@ -119,6 +132,7 @@ def start_llm(cfg: Any) -> Any:
             seed=int(r.seed),
             trust_remote_code=bool(cfg.model.trust_remote_code),
             logprobs_mode="processed_logprobs",
+            **extra,
         )
     finally:
         torch.set_num_threads(threads)
