@@ -382,7 +382,8 @@ def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
         s.completions = lambda body, i=i: completion(f"s{i}", finish="length")
         servers.append(s)
     try:
-        engine = OpenAICompletionsEngine([s.url for s in servers], tok, client=fast_client())
+        engine = OpenAICompletionsEngine([s.url for s in servers], tok, client=fast_client(),
+                                         weights_dir=str(tmp_path / "w"))
         roots = [engine.add_row([5, 6, 7]) for _ in range(3)]
         kids = engine.fork(roots[1], 2)
         outs = engine.decode(roots + kids, [8] * 5, PARAMS)
@@ -393,7 +394,6 @@ def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
         import torch
 
         model = torch.nn.Linear(2, 2)
-        engine.weights_dir = str(tmp_path / "w")
         engine.sync_weights(model)
         for i in range(2):
             [body] = reloads[i]

@@ -2,10 +2,9 @@
 
 - `runner`: `appo eval` (k samples per question through the shared tool loop, graded,
   resumable JSONL, summary); `summary` / `passk`: the metrics; `records`: sample records.
-- `openai_engine`: the rollout `Engine` protocol over an OpenAI-compatible completions
-  endpoint (vLLM, llama.cpp, ...), token out where the server returns ids; `http`: its
-  small stdlib JSON client; `vllm_server`: server mode's control calls (wait for a server,
-  reload its weights from a checkpoint dir).
+- The engine for `--base-url` (an OpenAI-compatible server) is
+  `appo.rollout.openai_engine`, shared with training in server mode; its JSON client is
+  `appo.http`.
 - `judge`: LLM-as-judge with the original's Correct/Incorrect rule, verifier first, cached.
 - `viewer`: `appo view`, rollout dumps as one static HTML page.
 

@@ -95,8 +95,7 @@ def _server_engine(cfg: Any, lm: Any):
                         "(servers started with vllm's api_server)")
     if lm is None:
         raise AppoError("the openai rollout engine needs the policy's tokenizer")
-    engine = OpenAICompletionsEngine(list(r.base_urls), lm.tokenizer, logprobs=20,
-                                     seed=int(r.seed))
-    engine.weights_dir = str(Path(r.weights_dir or Path(cfg.trainer.default_local_dir)
-                                  / "rollout_weights").expanduser().resolve())
-    return engine
+    weights_dir = Path(r.weights_dir or Path(cfg.trainer.default_local_dir) / "rollout_weights")
+    return OpenAICompletionsEngine(list(r.base_urls), lm.tokenizer, logprobs=20,
+                                   seed=int(r.seed),
+                                   weights_dir=str(weights_dir.expanduser().resolve()))

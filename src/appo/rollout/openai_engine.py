@@ -77,6 +77,7 @@ class OpenAICompletionsEngine(TableRows):
         seed: int | None = None,
         client: JsonClient | None = None,
         token_ids: bool = True,
+        weights_dir: str | None = None,
     ):
         if prompt_format not in PROMPT_FORMATS:
             raise AppoError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
@@ -103,7 +104,7 @@ class OpenAICompletionsEngine(TableRows):
         self.rows: RowTable[ServerRow] = RowTable(ServerRow)
         self._requests = 0
         self._roots = 0
-        self.weights_dir: str | None = None  # where sync_weights saves for the servers
+        self.weights_dir = weights_dir  # where sync_weights saves the policy for the servers
         self.weight_syncs = 0
 
     # ------------------------------------------------------------------ rows
@@ -196,7 +197,7 @@ class OpenAICompletionsEngine(TableRows):
                 best = (at, stop)
         return ("stop", best[1]) if best else ("eos", None)
 
-    def _server_ids(self, choice: dict[str, Any]) -> list[int] | None:
+    def _server_ids(self, choice: dict[str, Any], url: str) -> list[int] | None:
         """The sampled token ids the server returned (vLLM `return_token_ids`), None when it
         returned none (the text path)."""
         ids = choice.get("token_ids")
@@ -207,7 +208,7 @@ class OpenAICompletionsEngine(TableRows):
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0
                 and (vocab is None or t < vocab) for t in ids):
             # Ids outside the local vocabulary mean the tokenizer is not the served model's.
-            raise HttpError(f"{self.url} returned token_ids that are not ids of the local "
+            raise HttpError(f"{url} returned token_ids that are not ids of the local "
                             f"tokenizer: {str(ids)[:200]}")
         return ids
 
@@ -253,7 +254,7 @@ class OpenAICompletionsEngine(TableRows):
             text = choice.get("text")
             if not isinstance(text, str):
                 raise HttpError(f"{url} returned a choice without text: {str(choice)[:200]}")
-            server_ids = self._server_ids(choice)
+            server_ids = self._server_ids(choice, url)
         except HttpError as e:
             return SegmentOutput([], [], [], "error", error=str(e)), 0, 0, str(e)
         finish, stop = self._stop_of(choice, text, row)

@@ -294,9 +294,7 @@ class RLTrainer:
         # Under FSDP the engine samples from a whole replica, synced after each update.
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model
-        # The engine may not hold these weights yet (a vllm engine loads model.path; a given
-        # `lm` or a resumed checkpoint differs), so the first rollout syncs.
-        self._rollout_stale = True
+        self._rollout_stale = False
         if self.fsdp:
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             shard_model(self.model, self.dp.world)
@@ -313,6 +311,9 @@ class RLTrainer:
         self.reward = router_from_config(cfg)
         self.reward.check((e.data_source, e.ability) for e in self.train_data + self.val_data)
         self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model))
+        # An engine with its own copy of the weights (vllm, servers) loaded model.path, which a
+        # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
+        self._rollout_stale = hasattr(self.engine, "sync_weights")
         self.settings = RolloutSettings.from_config(cfg)
         self.adv_params = AdvantageParams(
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
