@@ -66,7 +66,10 @@ class RolloutConfig:
     branch_probability: float = 0.5
     entropy_weight: float = 0.2
     entropy_window: int = 20
-    entropy_measure: str = "mean"
+    # The original's measure (top-10 proxy summed over the window / ln|V|): the scale
+    # entropy_weight and AEPO's beta were tuned on (docs/algorithms.md arpo.2); `mean`:
+    # mean full-vocabulary token entropy.
+    entropy_measure: str = "seed_topk_sum"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -74,6 +77,9 @@ class RolloutConfig:
     result_template: str = " <result>\n{text}\n</result>"
     on_limit: str = "notify"
     # aepo
+    # Entropy pre-monitoring and m = f(H_root - H_tool) initial rows (aepo.1-2). Off: fixed
+    # initial_rollouts with the AEPO branch rule and penalty, as both released AEPO scripts ran.
+    enable_dynamic_rollouts: bool = True
     initial_entropy_tokens: int = 50
     beta: float = 0.5
     branch_penalty: float = 0.05
@@ -86,7 +92,6 @@ class RolloutConfig:
     # scoring model's dtype (float32 1e-3, float16 0.25, bfloat16 2.0: measured recompute
     # noise times 5-25; appo.rollout.scoring.LR_NOISE_TOL).
     lr_noise_tol: float | None = None
-    reward_scale_discount: float = 0.9
     # vllm engine
     gpu_memory_utilization: float = 0.7
     # KV cache size in GiB (vLLM's kv_cache_memory_bytes); null: 2 on CPU (vLLM would
@@ -131,6 +136,8 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     appo_discount_credit: bool = False
+    # APPO branch-credit discount (with appo_discount_credit); the original reads it here.
+    reward_scale_discount: float = 0.9
 
 
 @dataclass
@@ -163,6 +170,9 @@ class ActorConfig:
     future_kl_clip_high_only: bool = True
     future_kl_safety_thresh: float = 6.0
     future_kl_coef: float = 1.0
+    # The original's sequence filter: a response with more than one dual-clip hit (A < 0 and
+    # the clipped loss above -A c) leaves the loss and its normaliser (docs/algorithms.md §4.3).
+    future_kl_seq_filter: bool = True
     # Update schedule
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 16

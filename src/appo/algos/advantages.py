@@ -62,13 +62,13 @@ class AdvantageParams:
 
     norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std (grpo only)
     appo_discount_credit: bool = False  # algorithm.appo_discount_credit
-    reward_scale_discount: float = 0.9  # rollout.reward_scale_discount
+    reward_scale_discount: float = 0.9  # algorithm.reward_scale_discount
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if not 0.0 < self.reward_scale_discount <= 1.0:
             raise AppoError(
-                f"rollout.reward_scale_discount must be in (0, 1], got {self.reward_scale_discount}"
+                f"algorithm.reward_scale_discount must be in (0, 1], got {self.reward_scale_discount}"
             )
 
 

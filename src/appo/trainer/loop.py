@@ -318,7 +318,7 @@ class RLTrainer:
         self.adv_params = AdvantageParams(
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
             appo_discount_credit=cfg.algorithm.appo_discount_credit,
-            reward_scale_discount=cfg.rollout.reward_scale_discount,
+            reward_scale_discount=cfg.algorithm.reward_scale_discount,
         )
         o = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
