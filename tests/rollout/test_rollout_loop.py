@@ -8,6 +8,7 @@ import json
 import pytest
 from rollout_fakes import FakeTools, ScriptedEngine, Step, tiny_tokenizer
 
+from appo.config import load_config
 from appo.errors import AppoError
 from appo.rollout import RolloutPrompt, RolloutSettings, read_jsonl, rollout, write_jsonl
 from appo.rollout.engine import SegmentOutput
@@ -35,7 +36,10 @@ def calls_then_answer(calls: int, code=lambda k: f"print({k})"):
 
 
 def settings(**kw):
-    base = dict(n=1, initial_rollouts=1, max_response_length=400, call_limit=3)
+    # `mean`: H_seg is then the scripted per-token entropy itself (the default measure,
+    # seed_topk_sum, is checked in test_segment_entropy_measures).
+    base = dict(n=1, initial_rollouts=1, max_response_length=400, call_limit=3,
+                entropy_measure="mean")
     base.update(kw)
     return RolloutSettings(**base)
 
@@ -173,12 +177,18 @@ def test_segment_entropy_measures():
     ents = [1.0, 2.0, 3.0, 10.0]
     out = SegmentOutput([1, 2, 3, 4], [0.0] * 4, ents, "stop",
                         topk_entropies=[0.5, 1.0, 1.5, 5.0])
-    s = settings(entropy_window=3)
+    s = settings(entropy_window=3, entropy_measure="mean")
     # mean of the full-vocabulary entropies over the first 3 tokens: (1+2+3)/3
     assert segment_entropy(out, s, 100) == pytest.approx(2.0)
     s2 = settings(entropy_window=3, entropy_measure="seed_topk_sum")
     # the original: top-10 entropies summed over the window / log|V| = 3.0 / log(100)
     assert segment_entropy(out, s2, 100) == pytest.approx(3.0 / 4.605170185988092)
+    # ... which is the default (the scale entropy_weight and AEPO's beta were tuned on),
+    # for the settings and for the config
+    assert RolloutSettings(entropy_window=3).entropy_measure == "seed_topk_sum"
+    assert segment_entropy(out, RolloutSettings(entropy_window=3), 100) == pytest.approx(
+        3.0 / 4.605170185988092)
+    assert RolloutSettings.from_config(load_config()).entropy_measure == "seed_topk_sum"
 
 
 def test_jsonl_round_trip_is_lossless(tok, tmp_path):

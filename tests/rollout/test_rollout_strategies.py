@@ -8,7 +8,7 @@ import random
 import pytest
 from rollout_fakes import FakeTools, ScriptedEngine, ScriptedRng, Step, tiny_tokenizer
 
-from appo.config import CHOICES
+from appo.config import CHOICES, load_config
 from appo.rollout import STRATEGIES, RolloutPrompt, RolloutSettings, rollout
 from appo.rollout.strategies import aepo_initial_rollouts, arpo_branch_probability
 
@@ -32,6 +32,12 @@ def script_calls(calls, entropy=lambda k: 1.0 + k):
         return Step("<answer>a</answer>", entropy=entropy(k), finish="eos")
 
     return script
+
+
+def scripted_settings(**kw) -> RolloutSettings:
+    """Settings whose H_seg is the mean of the scripted per-token entropies (`mean`), so the
+    hand computations below read the script's numbers directly."""
+    return RolloutSettings(entropy_measure="mean", **kw)
 
 
 def prompts(tok, count):
@@ -93,7 +99,7 @@ def _branch_stats(tok, delta, draws=3000, seed=0):
         return h0 if k == 0 else h0 + delta
 
     eng = ScriptedEngine(tok, script_calls(2, entropy))
-    s = RolloutSettings(n=2, initial_rollouts=1, beam_size=2, branch_probability=0.5,
+    s = scripted_settings(n=2, initial_rollouts=1, beam_size=2, branch_probability=0.5,
                         entropy_weight=0.2)
     batch = rollout(prompts(tok, draws), eng, FakeTools(), s, strategy="arpo",
                     rng=random.Random(seed))
@@ -117,7 +123,7 @@ def test_arpo_branch_probability_follows_the_entropy_rule(tok, delta, expected):
 
 def test_arpo_h_init_is_reset_between_rollout_calls(tok):
     eng = ScriptedEngine(tok, script_calls(2, lambda k: 5.0))
-    s = RolloutSettings(n=4, initial_rollouts=2, branch_probability=0.5)
+    s = scripted_settings(n=4, initial_rollouts=2, branch_probability=0.5)
     rollout(prompts(tok, 3), eng, FakeTools(), s, strategy="arpo", rng=random.Random(0))
     # Second call, same engine: every segment has entropy 1.0. If H_init leaked from the
     # first call (5.0), delta would be -4 and P(branch) = 0.5 - 0.8 -> 0.
@@ -174,7 +180,7 @@ def test_aepo_premonitor_sets_m(tok):
         return Step("<answer>a</answer>", entropy=2.0, finish="eos")
 
     eng = ScriptedEngine(tok, script)
-    s = RolloutSettings(n=8, initial_rollouts=4, beta=0.5, branch_probability=1.0)
+    s = scripted_settings(n=8, initial_rollouts=4, beta=0.5, branch_probability=1.0)
     batch = rollout(prompts(tok, 1), eng, FakeTools(), s, strategy="aepo", rng=random.Random(0))
     [rec] = batch.premonitor
     assert rec.h_root == pytest.approx(3.0) and rec.h_tool == pytest.approx(1.5)
@@ -208,27 +214,66 @@ def test_aepo_consecutive_branch_penalty_matches_hand_computation(tok):
     entropy 1 + k; branch_probability 0.5, entropy_weight 0.2, branch_penalty 0.25.
 
     p = (u + 0.2 * delta) * max(0, 1 - 0.25 * c), branch iff p >= 0.5, c = consecutive
-    previous rounds with branches.
+    previous rounds with new rows, updated (as the original does) only after rounds in
+    which some prompt of the batch got new rows.
     round 1: R0 delta 0, c 0: p = 0.6                      -> branch C1        (c -> 1)
     round 2: R0 delta 2-1=1:  p = (0.5+0.2)*0.75 = 0.525   -> branch C2
              C1 delta 0 (its H_init = 2): p = 0.6*0.75 = 0.45 -> no         (c -> 2)
     round 3: R0 delta 2: p = (0.1+0.4)*0.5 = 0.25 no; C1 delta 3-2=1: (0.2+0.2)*0.5 = 0.2
-             no; C2 delta 0: 0.3*0.5 = 0.15 no                             (c -> 0)
-    round 4: R0 delta 3, c 0: p = (0.0+0.6)*1 = 0.6        -> branch C3 (n reached)
-             (with the penalty not reset, p = 0.6 * 0.25 = 0.15 and no branch)
+             no; C2 delta 0: 0.3*0.5 = 0.15 no.  No prompt got new rows: c stays 2.
+    round 4: R0 delta 3, c 2: p = (0.0+0.6)*0.5 = 0.3 -> no (a reset c would give 0.6 and a
+             branch of R0); C1 delta 4-2=2: p = (0.99+0.4)*0.5 = 0.695 -> branch C3 (n reached)
     """
     eng = ScriptedEngine(tok, aepo_script(4, lambda k: 1.0 + k))
-    s = RolloutSettings(n=4, initial_rollouts=4, beam_size=2, branch_probability=0.5,
-                        entropy_weight=0.2, branch_penalty=0.25, beta=5.0, call_limit=10)
+    s = scripted_settings(n=4, initial_rollouts=4, beam_size=2, branch_probability=0.5,
+                          entropy_weight=0.2, branch_penalty=0.25, beta=5.0, call_limit=10)
     rng = ScriptedRng([0.6, 0.5, 0.6, 0.1, 0.2, 0.3, 0.0, 0.99])
     batch = rollout(prompts(tok, 1), eng, FakeTools(), s, strategy="aepo", rng=rng)
     # H_root = 0 (warm-up), H_tool = mean(1..5) = 3: m = int(4 * sigmoid(-15)) + 1 = 1
     assert batch.premonitor[0].initial_rollouts == 1
     events = [(e.round, e.probability) for e in batch.branch_events]
     assert [r for r, _ in events] == [1, 2, 4]
-    assert [p for _, p in events] == pytest.approx([0.6, 0.525, 0.6])
-    assert rng.i == 7  # no draw once the budget is used up
+    assert [p for _, p in events] == pytest.approx([0.6, 0.525, 0.695])
+    first, _, last = batch.branch_events
+    assert last.parent_id == first.child_id  # C3 branches from C1, not from R0
+    assert rng.i == 8
     assert len(batch.trajectories) == 4
+
+
+def test_aepo_without_dynamic_rollouts_is_fixed_initial_rollouts_with_the_penalty(tok):
+    """`rollout.enable_dynamic_rollouts=false` (both released AEPO scripts): no
+    pre-monitoring, `initial_rollouts` rows per prompt, the aepo.3 rule and penalty on.
+
+    Two prompts, 1 initial row each, n = 3, beam 2, penalty 0.25; every segment has entropy
+    1.0 (delta = 0), so p = u * max(0, 1 - 0.25 c); rows make 3 calls then answer.
+    round 1: R0 (P0) u .9 -> p .9 branch A1; S0 (P1) u .1 no.            c = (1, 0)
+    round 2: R0 .1*.75, A1 .1*.75, S0 .1: no new rows: counters unchanged   c = (1, 0)
+    round 3: R0 u .6: .6*.75 = .45 no (a reset c0 would give .6 and a branch); A1 u .7:
+             .7*.75 = .525 -> branch A2 (P0 full); S0 u .1 no.           c = (2, 0)
+    round 4: every row answers (3 results each): no decision, counters unchanged.
+    round 5: P1 has 1 finished row: fresh row F; its call, u .6, c1 = 0: .6 -> branch B1.
+    """
+    def script(engine, rid, ids):
+        k = results_so_far(engine, ids)
+        if k < 3:
+            return Step(f"<python>{k}</python>", entropy=1.0)
+        return Step("<answer>a</answer>", entropy=1.0, finish="eos")
+
+    eng = ScriptedEngine(tok, script)
+    s = scripted_settings(n=3, initial_rollouts=1, beam_size=2, branch_probability=0.5,
+                          entropy_weight=0.2, branch_penalty=0.25, enable_dynamic_rollouts=False)
+    rng = ScriptedRng([0.9, 0.1, 0.1, 0.1, 0.1, 0.6, 0.7, 0.1, 0.6])
+    batch = rollout(prompts(tok, 2), eng, FakeTools(), s, strategy="aepo", rng=rng)
+    assert batch.premonitor == [] and batch.stats.premonitor_trajectories == 0
+    assert len(eng.decode_calls[0]) == 2  # the two initial rows, no short generation first
+    events = [(e.round, e.uid, e.probability) for e in batch.branch_events]
+    assert [(r, u) for r, u, _ in events] == [(1, "p0"), (3, "p0"), (5, "p1")]
+    assert [p for _, _, p in events] == pytest.approx([0.9, 0.525, 0.6])
+    assert rng.i == 9
+    assert all(len(g) == 3 for g in batch.by_uid().values())
+    cfg = load_config(overrides=["rollout.strategy=aepo", "rollout.enable_dynamic_rollouts=false"])
+    assert RolloutSettings.from_config(cfg).enable_dynamic_rollouts is False
+    assert RolloutSettings().enable_dynamic_rollouts is True  # aepo.1-2 on by default
 
 
 def test_aepo_a_fresh_row_counts_as_a_new_row_for_the_penalty(tok):
@@ -244,7 +289,7 @@ def test_aepo_a_fresh_row_counts_as_a_new_row_for_the_penalty(tok):
     So the budget is filled by fresh rows only, after 4 draws.
     """
     eng = ScriptedEngine(tok, aepo_script(2, lambda k: 1.0))
-    s = RolloutSettings(n=3, initial_rollouts=3, beam_size=2, branch_probability=0.5,
+    s = scripted_settings(n=3, initial_rollouts=3, beam_size=2, branch_probability=0.5,
                         entropy_weight=0.2, branch_penalty=0.25, beta=5.0)
     rng = ScriptedRng([0.0, 0.0, 0.0, 0.6])
     batch = rollout(prompts(tok, 1), eng, FakeTools(), s, strategy="aepo", rng=rng)
@@ -268,7 +313,7 @@ def test_tree_view_shows_branch_points_entropies_calls_and_finish(tok):
     from appo.rollout.tree import render_tree
 
     eng = ScriptedEngine(tok, script_calls(2, lambda k: 1.0 + k))
-    s = RolloutSettings(n=4, initial_rollouts=2, branch_probability=1.0)
+    s = scripted_settings(n=4, initial_rollouts=2, branch_probability=1.0)
     batch = rollout(prompts(tok, 1), eng, FakeTools(), s, strategy="arpo", rng=random.Random(0))
     text = render_tree(batch, tok)
     assert "prompt p0" in text and "4 trajectories" in text

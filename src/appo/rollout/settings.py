@@ -37,6 +37,7 @@ class RolloutSettings:
     max_response_length: int = _D.max_response_length
     max_prompt_length: int | None = None
     # aepo
+    enable_dynamic_rollouts: bool = _R.enable_dynamic_rollouts
     initial_entropy_tokens: int = _R.initial_entropy_tokens
     beta: float = _R.beta
     branch_penalty: float = _R.branch_penalty
@@ -87,6 +88,7 @@ class RolloutSettings:
             call_limit=int(cfg.tools.call_limit),
             max_response_length=int(cfg.data.max_response_length),
             max_prompt_length=int(cfg.data.max_prompt_length),
+            enable_dynamic_rollouts=bool(r.enable_dynamic_rollouts),
             initial_entropy_tokens=int(r.initial_entropy_tokens),
             beta=float(r.beta),
             branch_penalty=float(r.branch_penalty),

@@ -8,10 +8,13 @@
   prompt ends with exactly `n`. Fix of the original: `H_init` lives in the rollout call
   (the original kept it on the worker and never reset it between batches).
 - `aepo` (AEPO, 2510.14545): arpo plus entropy pre-monitoring (`m` initial rollouts from
-  `H_root - H_tool`) and a penalty on consecutive branching rounds: `c` counts the
-  consecutive previous rounds in which the prompt got new rows (docs/algorithms.md §2.3 aepo.3: branches,
-  and the fresh row arpo's fill rule starts when the prompt has no active row), reset to 0
-  by a round in which it got none. The initial `m` rows are not counted.
+  `H_root - H_tool`; `rollout.enable_dynamic_rollouts=false`, as both released AEPO scripts
+  ran: fixed `initial_rollouts`) and a penalty on consecutive branching rounds: `c` counts
+  the consecutive previous rounds in which the prompt got new rows (docs/algorithms.md §2.3
+  aepo.3: branches, and the fresh row arpo's fill rule starts when the prompt has no active
+  row), reset to 0 by a round in which it got none. As in the original, `c` is updated only
+  after rounds in which some prompt of the batch got new rows. The initial rows are not
+  counted.
 - `appo` (seeds/appo_readme.md): full initial trajectories, then branches at the top-B
   tokens by Branching Score `z(H) * z(FV)`; branch tokens get `loss_mask=0`.
 
@@ -207,10 +210,42 @@ def rollout_aepo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
     s = settings
     loop = ToolLoop(engine, tools, settings)
     loop.prepare(prompts)
-    h_root, h_tool, pre = _premonitor(loop, prompts)
     rows: dict[str, list[RowState]] = {p.uid: [] for p in prompts}
-    initial: dict[str, int] = {}
+    initial: dict[str, int] = {p.uid: s.initial for p in prompts}
     records: list[PremonitorRecord] = []
+    if s.enable_dynamic_rollouts:
+        _dynamic_initial(loop, prompts, rows, initial, records)
+    consecutive = {p.uid: 0 for p in prompts}
+
+    def decide(loop: ToolLoop, row: RowState, uid: str, rng) -> BranchEvent | None:
+        delta = row.h_last - row.h_init
+        p = aepo_branch_probability(delta, consecutive[uid], s, rng.random())
+        if p < s.branch_probability:
+            return None
+        return BranchEvent(uid, row.traj.traj_id, "", loop.round, -1, row.h_last, row.h_init, p)
+
+    def round_end(new_rows: dict[str, int]) -> None:
+        # The original updates the counters only after a round in which some prompt of the
+        # batch got new rows; a round with none leaves every counter as it was.
+        if not any(new_rows.values()):
+            return
+        for uid, count in new_rows.items():
+            consecutive[uid] = consecutive[uid] + 1 if count else 0
+
+    n = {p.uid: s.n for p in prompts}
+    all_rows = _drive(loop, prompts, initial, n, decide, rng, rows=rows, on_round_end=round_end)
+    batch = _finish(loop, all_rows)
+    batch.premonitor = records
+    return batch
+
+
+def _dynamic_initial(loop: ToolLoop, prompts: Sequence[RolloutPrompt],
+                     rows: dict[str, list[RowState]], initial: dict[str, int],
+                     records: list[PremonitorRecord]) -> None:
+    """aepo.1-2: pre-monitor every prompt and set its `m` initial rollouts (in `initial`;
+    with `reuse_premonitor`, the pre-rollout joins `rows` as one of them)."""
+    s = loop.settings
+    h_root, h_tool, pre = _premonitor(loop, prompts)
     reused = int(s.reuse_premonitor)
     for p in prompts:
         m = aepo_initial_rollouts(s.n, h_root[p.uid], h_tool[p.uid], s.beta)
@@ -222,24 +257,6 @@ def rollout_aepo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
             loop.stats.trajectories -= 1
         initial[p.uid] = m
         records.append(PremonitorRecord(p.uid, h_root[p.uid], h_tool[p.uid], m + reused))
-    consecutive = {p.uid: 0 for p in prompts}
-
-    def decide(loop: ToolLoop, row: RowState, uid: str, rng) -> BranchEvent | None:
-        delta = row.h_last - row.h_init
-        p = aepo_branch_probability(delta, consecutive[uid], s, rng.random())
-        if p < s.branch_probability:
-            return None
-        return BranchEvent(uid, row.traj.traj_id, "", loop.round, -1, row.h_last, row.h_init, p)
-
-    def round_end(new_rows: dict[str, int]) -> None:
-        for uid, count in new_rows.items():
-            consecutive[uid] = consecutive[uid] + 1 if count else 0
-
-    n = {p.uid: s.n for p in prompts}
-    all_rows = _drive(loop, prompts, initial, n, decide, rng, rows=rows, on_round_end=round_end)
-    batch = _finish(loop, all_rows)
-    batch.premonitor = records
-    return batch
 
 
 # ---------------------------------------------------------------- appo
