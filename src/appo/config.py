@@ -47,6 +47,10 @@ class DataConfig:
     val_files: list[str] = field(default_factory=lambda: ["synth:arith?split=eval"])
     prompt_key: str = "prompt"
     template: str = "math"
+    # Append APPO's paragraph asking the model to mark its reasoning stages with
+    # <|extra_0|>...<|extra_1|> to every system prompt, as the original APPO rollout did
+    # (appo.data.templates.APPO_STAGE_PROMPT); the published APPO configs turn it on.
+    appo_stage_prompt: bool = False
     train_batch_size: int = 4
     val_batch_size: int = 16
     max_prompt_length: int = 512

@@ -15,6 +15,9 @@ else the reward route of the data source (gsm8k -> math, hotpotqa -> qa, ...), e
 list answers and `math` otherwise. Columns not used above are kept in `extra_info`.
 
 A row that already carries a system message keeps it unless `system_prompt="template"`.
+`stage_prompt=True` (`data.appo_stage_prompt`) appends APPO's reasoning-stage paragraph to
+every prompt's system message, kept or rendered (the original APPO added it to whatever
+system turn the prompt had).
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from typing import Any
 
 from appo.data.records import LoadStats, Message, RLData, RLExample
 from appo.data.sources import parse_spec, read_spec_rows
-from appo.data.templates import build_messages, render_system_prompt, repair_latex_escapes
+from appo.data.templates import (
+    apply_stage_prompt,
+    build_messages,
+    render_system_prompt,
+    repair_latex_escapes,
+)
 from appo.errors import AppoError
 
 ROLES = ("system", "user", "assistant")
@@ -169,12 +177,14 @@ def load_rl_data(
     max_prompt_length: int | None = None,
     overlong: str = "skip",
     system_prompt: str = "keep",
+    stage_prompt: bool = False,
 ) -> RLData:
     """Load every spec into RLExamples.
 
     With a `tokenizer` and `max_prompt_length`, prompts longer than that (chat template
     applied, generation prompt included) are dropped and counted (`overlong="skip"`) or
-    raise (`"fail"`).
+    raise (`"fail"`). `stage_prompt`: append APPO's paragraph to each system message (before
+    the length check, which therefore counts it).
     """
     from appo.data import synth
 
@@ -212,6 +222,9 @@ def load_rl_data(
                 for i, row in enumerate(rows)
             ]
         stats.rows += len(loaded)
+        if stage_prompt:
+            for ex in loaded:
+                ex.prompt = apply_stage_prompt(ex.prompt)
         if tokenizer is not None and max_prompt_length is not None:
             loaded = _drop_overlong(loaded, tokenizer, max_prompt_length, overlong, text, stats)
         examples.extend(loaded)
@@ -267,4 +280,5 @@ def rl_data_from_config(cfg: Any, split: str = "train", tokenizer: Any = None) -
         tokenizer=tokenizer,
         max_prompt_length=cfg.data.max_prompt_length if tokenizer is not None else None,
         overlong=cfg.data.overlong,
+        stage_prompt=cfg.data.appo_stage_prompt,
     )

@@ -3,7 +3,9 @@
 Accepted rows: OpenAI `messages` (`[{role, content}]`) and LLaMA-Factory sharegpt
 (`conversations: [{from, value}]` with `from` in human/gpt/system, optional `system`
 column); `synth:` specs give gold demonstrations. A conversation without a system message
-gets the template's, exactly as RL prompts do, so the model sees the same prompt in both.
+gets the template's, exactly as RL prompts do, so the model sees the same prompt in both;
+`data.appo_stage_prompt` appends APPO's paragraph to every system message here too (not
+twice: data built by APPO's own pipeline already ends with it).
 
 Loss mask: 1 on assistant content and on the end-of-turn token (EOS) that closes it, 0 on
 everything else. Inside assistant content, each tool result (`<result>...</result>` plus the
@@ -27,7 +29,7 @@ from appo.data.records import Conversation, LoadStats, Message, SFTData, SFTExam
 from appo.data.rl import ROLES, default_data_source
 from appo.data.sources import parse_spec, read_spec_rows
 from appo.data.synth.common import DEFAULT_RESULT_TEMPLATE
-from appo.data.templates import render_system_prompt, repair_latex_escapes
+from appo.data.templates import apply_stage_prompt, render_system_prompt, repair_latex_escapes
 from appo.errors import AppoError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -176,8 +178,10 @@ def load_conversations(
     tools: Sequence[str] | None = None,
     tool_instances: Any = None,
     result_template: str = DEFAULT_RESULT_TEMPLATE,
+    stage_prompt: bool = False,
 ) -> list[Conversation]:
-    """Conversations from SFT files and `synth:` specs (gold demonstrations)."""
+    """Conversations from SFT files and `synth:` specs (gold demonstrations); `stage_prompt`
+    appends APPO's paragraph to each system message."""
     from appo.data.synth import synth_conversations
 
     if isinstance(specs, str):
@@ -198,6 +202,9 @@ def load_conversations(
                     0, {"role": "system", "content": render_system_prompt(template, tools)}
                 )
             convs.append(conv)
+    if stage_prompt:
+        for conv in convs:
+            conv.messages = apply_stage_prompt(conv.messages)
     return convs
 
 
@@ -212,13 +219,15 @@ def load_sft_data(
     mask_tool_results: bool = True,
     result_template: str = DEFAULT_RESULT_TEMPLATE,
     tool_instances: Any = None,
+    stage_prompt: bool = False,
 ) -> SFTData:
     """Tokenised SFT examples. Examples longer than `max_length` tokens are dropped and
     counted (`overlong="skip"`) or raise (`"fail"`); nothing is silently truncated."""
     if overlong not in ("skip", "fail"):
         raise AppoError(f"overlong must be 'skip' or 'fail', got {overlong!r}")
     convs = load_conversations(specs, template=template, tools=tools,
-                               tool_instances=tool_instances, result_template=result_template)
+                               tool_instances=tool_instances, result_template=result_template,
+                               stage_prompt=stage_prompt)
     stats = LoadStats(rows=len(convs))
     examples = []
     for i, conv in enumerate(convs):
@@ -255,6 +264,7 @@ def sft_data_from_config(
         mask_tool_results=cfg.sft.mask_tool_results,
         result_template=cfg.rollout.result_template,
         tool_instances=tool_instances,
+        stage_prompt=cfg.data.appo_stage_prompt,
     )
 
 

@@ -7,6 +7,9 @@ only). The tool tags a prompt describes follow the configured tools, not the tem
 `<think>` and `<answer>`. `code_search` with exactly {search, python} reproduces the
 original text verbatim; any other tool set gets the composed wording below.
 
+`data.appo_stage_prompt` appends APPO's reasoning-stage paragraph (`APPO_STAGE_PROMPT`) to
+the system prompt, as the original APPO rollout did (`add_stage_prompt`).
+
 Also here: `repair_latex_escapes`, which undoes the original data's LaTeX commands whose
 backslash was eaten by a non-raw Python string (`\\b` -> `\\x08`, `\\f` -> `\\x0c`).
 """
@@ -37,6 +40,37 @@ ORIGINAL_CODE_SEARCH_PROMPT = (
     "the last part of the answer, the final exact answer is enclosed within \\boxed{} with "
     "latex format."
 )
+
+# The paragraph the original APPO appends to every prompt's system message
+# (AMAP-ML/APPO cognitive_pipeline/config.py, COGNITIVE_SYSTEM_PROMPT_ADDON), verbatim. Its
+# rollout inserts these tokens right before the system turn's closing <|im_end|>, so the
+# text lands at the end of the system content, leading blank line and final newline kept.
+APPO_STAGE_PROMPT = (
+    "\n\nWhen you feel that a paragraph of your reasoning forms a self-contained stage "
+    "(for example: a quick judgment, a planning step, a deduction, an induction, "
+    "a hypothesis, integrating tool feedback, or a metacognitive correction), "
+    "wrap that paragraph with <|extra_0|>...<|extra_1|>. "
+    "Do not annotate tool calls or their results \u2014 only wrap pure reasoning paragraphs. "
+    "Not every paragraph needs a tag; only use <|extra_0|> when a stage boundary is clear.\n"
+)
+
+
+def add_stage_prompt(system: str) -> str:
+    """`system` with APPO_STAGE_PROMPT appended (unchanged if it already holds it: SFT data
+    built by APPO's pipeline carries the paragraph, and appending twice helps no one)."""
+    if APPO_STAGE_PROMPT.strip() in system:
+        return system
+    return system + APPO_STAGE_PROMPT
+
+
+def apply_stage_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Messages whose system message (first; appo's prompts always have one) ends with the
+    APPO paragraph. A new list; the input is not modified."""
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = add_stage_prompt(out[0]["content"])
+    return out
+
 
 # Only these broken escapes are repaired: a control character followed by the rest of a
 # LaTeX command name. Other control characters in the data are genuine (e.g. \x0c standing

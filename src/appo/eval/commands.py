@@ -77,7 +77,8 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         tags = list(tools.tags) if tools is not None else []
         benchmarks = load_benchmarks(args.data or list(cfg.data.val_files), cfg.data.template,
-                                     tags, cfg.data.prompt_key, args.limit)
+                                     tags, cfg.data.prompt_key, args.limit,
+                                     stage_prompt=cfg.data.appo_stage_prompt)
         k = int(cfg.eval.k)
         settings = eval_settings(cfg, k, tags)
         info = {"model": cfg.model.path, "benchmarks": {b.name: b.spec for b in benchmarks}}

@@ -72,7 +72,8 @@ def parse_data_arg(item: str) -> tuple[str, str]:
 
 
 def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
-                    prompt_key: str = "prompt", limit: int | None = None) -> list[Benchmark]:
+                    prompt_key: str = "prompt", limit: int | None = None,
+                    stage_prompt: bool = False) -> list[Benchmark]:
     from appo.data import load_rl_data
 
     out: list[Benchmark] = []
@@ -81,7 +82,7 @@ def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
         if any(b.name == name for b in out):
             raise AppoError(f"benchmark name {name!r} given twice; name them with NAME=PATH")
         examples = load_rl_data([spec], template=template, tools=list(tools),
-                                prompt_key=prompt_key).examples
+                                prompt_key=prompt_key, stage_prompt=stage_prompt).examples
         if limit is not None:
             examples = examples[:limit]
         out.append(Benchmark(name, spec, examples))

@@ -1,7 +1,8 @@
 """Concurrent tool execution with per-call timeout, infra-only retries and per-tool statistics.
 
-The original (ARPO) ran tool calls in a thread pool and retried any call whose output was
-empty, three times: a program that printed nothing was run four times. Here a call is retried
+The original (ARPO) ran tool calls in a thread pool and ran a call again while its output was
+empty or it raised, up to `retry_count` (3) runs in all: a program that printed nothing ran
+three times, then the model got "Tool(python) returned empty output.". Here a call is retried
 only when the tool reports an infrastructure failure (`error_kind="infra"`: a dead worker,
 HTTP 5xx, a refused connection) or raises; whatever the model wrote is run once. A timeout is
 retried only for tools that declare `retry_timeouts = True` (search: a server that did not

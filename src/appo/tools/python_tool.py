@@ -1,9 +1,12 @@
 """The `python` tool: run model-written code in the sandbox, return what it printed.
 
 As in the original (ARPO's PythonTool): a trailing bare expression is printed, stdout is the
-result on success. Deviations: errors return the end of the traceback (the original returned
-empty stdout, so the model never saw why its code failed, and retried "empty output" three
-times); code runs sandboxed in a pre-forked worker (`appo.tools.sandbox`) instead of a fresh
+result on success, and a failing program shows the model its error. Deviations: on a
+non-zero exit the result is what the program printed plus the last `error_lines` lines of
+the traceback (the original returned the whole stderr and dropped stdout); a program that
+prints nothing returns `empty_output_text` once (the original's empty string made its rollout
+re-run the code, `retry_count` runs in all, then say "Tool(python) returned empty output.");
+code runs sandboxed in a pre-forked worker (`appo.tools.sandbox`) instead of a fresh
 `python -c`; output is truncated to `max_output_chars` with a visible marker; a Markdown code
 fence around the code is removed.
 """
