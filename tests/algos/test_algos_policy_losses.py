@@ -14,6 +14,7 @@ from appo.algos import (
     PolicyLossParams,
     discounted_future_sum,
     entropy_balanced_policy_loss,
+    future_kl_kept_rows,
     future_kl_policy_loss,
     vanilla_policy_loss,
 )
@@ -161,13 +162,16 @@ def test_future_kl_hand_computed():
 
 
 def naive_future_kl_loss(logp, old, adv, mask, p: PolicyLossParams) -> float:
-    """Token-mean future-KL loss with plain Python loops (docs/algorithms.md §4.3)."""
+    """Token-mean future-KL loss with plain Python loops (docs/algorithms.md §4.3), the
+    sequence filter included: a row with more than one dual-clip hit is dropped from the sum
+    and from the token count."""
     g = 2.0 ** (-1.0 / p.future_kl_decay_rate)
     lo = 1.0 if p.future_kl_clip_high_only else 2.0 - p.future_kl_clip_high
     total, count = 0.0, 0
     size, width = len(logp), len(logp[0])
     for b in range(size):
         d = [min(max(logp[b][k] - old[b][k], -20.0), 20.0) for k in range(width)]
+        row_total, row_count, hits = 0.0, 0, 0
         for t in range(width):
             if not mask[b][t]:
                 continue
@@ -180,25 +184,37 @@ def naive_future_kl_loss(logp, old, adv, mask, p: PolicyLossParams) -> float:
             a = adv[b][t] * (1 + p.future_kl_coef * f)
             loss = max(-a * r, -a * min(max(r, 1 - p.clip_low), 1 + p.clip_high))
             if a < 0:
+                hits += loss > -a * p.clip_c
                 loss = min(loss, -a * p.clip_c)
-            total += loss
-            count += 1
+            row_total += loss
+            row_count += 1
+        if p.future_kl_seq_filter and hits > 1:
+            continue
+        total += row_total
+        count += row_count
     return total / count
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("decay_rate", [0.5, 4.0, 64.0, 1000.0])
 @pytest.mark.parametrize("clip_high_only", [True, False])
-def test_future_kl_equals_naive_loop(seed, decay_rate, clip_high_only):
+@pytest.mark.parametrize("seq_filter", [True, False])
+def test_future_kl_equals_naive_loop(seed, decay_rate, clip_high_only, seq_filter):
     logp, old, adv, mask, _ = random_batch(seed, size=(3, 15), spread=1.2)
     # Plant one token of each kind so both clamps are hit whatever the seed: r = e^2.5 = 12.2
     # with A < 0 (no participation, safety clamp), r = e^1.5 = 4.5 with A > 0 (no participation).
     old[0, 3], adv[0, 3], mask[0, 3] = logp[0, 3].item() - 2.5, -0.9, 1.0
     old[1, 5], adv[1, 5], mask[1, 5] = logp[1, 5].item() - 1.5, 0.4, 1.0
+    # Row 2 gets two dual-clip hits (r = e^2 with A < 0), so the filter drops it.
+    for t in (2, 9):
+        old[2, t], adv[2, t], mask[2, t] = logp[2, t].item() - 2.0, -0.5, 1.0
     params = PolicyLossParams(clip_high=0.28, future_kl_decay_rate=decay_rate,
-                              future_kl_clip_high_only=clip_high_only, future_kl_coef=0.7)
-    loss, metrics = future_kl_policy_loss(logp, old, adv, mask,
-                                          agg=LossAgg.from_masks("token-mean", mask), params=params)
+                              future_kl_clip_high_only=clip_high_only, future_kl_coef=0.7,
+                              future_kl_seq_filter=seq_filter)
+    kept = future_kl_kept_rows(logp, old, adv, mask, params)
+    assert bool(kept[2]) is not seq_filter
+    agg = LossAgg.from_masks("token-mean", mask * kept[:, None])
+    loss, metrics = future_kl_policy_loss(logp, old, adv, mask, agg=agg, params=params)
     expected = naive_future_kl_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(),
                                     params)
     assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-9)
@@ -207,7 +223,48 @@ def test_future_kl_equals_naive_loop(seed, decay_rate, clip_high_only):
     assert (mask.bool() & (drift > math.log(3.0))).any()  # non-participating tokens
     assert (mask.bool() & (adv < 0) & (drift.exp() > 6.0)).any()  # safety clamp
     assert 0 < metrics["future_kl_participation"] < 1
-    assert metrics["future_kl_safety_frac"] > 0
+    # Metrics cover the kept rows: the safety-clamped token of row 0 counts unless row 0 has
+    # a second dual-clip hit (some seeds) and the filter drops it.
+    assert (metrics["future_kl_safety_frac"] > 0) is bool(kept[0])
+    assert metrics["future_kl_filtered_rows"] == float((~kept).sum())
+
+
+def test_future_kl_sequence_filter_hand_computed():
+    """The original's filter: a row with more than one dual-clip hit leaves the loss and the
+    token-mean normaliser. c = 3; every kept token has r = 1 or a non-participating r > 3, so
+    FutureKL = 0, f = clamp(e^0, 1, 1.2) = 1 and A' = 2A (the safety clamp keeps f = 1).
+
+    row 0: A = -1, r = [4, 1, 5, 1]: two hits (r > c)          -> removed
+    row 1: A = -1, r = [4, 1, 1, 1]: one hit                    -> kept
+           t0: max(2 * 4, 2 * 1.28) = 8 > -A' c = 6 -> 6 (constant, no gradient)
+           t1-t3: -A' r = 2 each; d/dlogp = -A' r = 2
+    row 2: A = 0.5, r = 1 on 3 valid tokens: -A' r = -1 each; d/dlogp = -1
+    token-mean over the 7 kept tokens: (6 + 2 + 2 + 2 - 1 - 1 - 1) / 7 = 9/7
+    (without the filter, 11 tokens: row 0 adds 6 + 2 + 6 + 2: (16 + 9) / 11 = 25/11)
+    """
+    logp = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    ratios = torch.tensor([[4.0, 1, 5, 1], [4, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.float64)
+    old = -ratios.log()
+    adv = torch.tensor([[-1.0] * 4, [-1.0] * 4, [0.5] * 4], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    params = PolicyLossParams(clip_high=0.28)
+    kept = future_kl_kept_rows(logp, old, adv, mask, params)
+    assert kept.tolist() == [False, True, True]
+    agg = LossAgg.from_masks("token-mean", mask * kept[:, None])
+    assert agg.n_tokens == 7
+    loss, metrics = future_kl_policy_loss(logp, old, adv, mask, agg=agg, params=params)
+    assert loss.item() == pytest.approx(9 / 7, abs=1e-12)
+    assert metrics["future_kl_filtered_rows"] == 1.0
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = torch.tensor([[0.0, 0, 0, 0], [0, 2, 2, 2], [-1, -1, -1, 0]],
+                            dtype=torch.float64) / 7
+    torch.testing.assert_close(grad, expected)
+    # Off, row 0 stays: the original's filter is what makes the difference.
+    off = PolicyLossParams(clip_high=0.28, future_kl_seq_filter=False)
+    assert future_kl_kept_rows(logp, old, adv, mask, off).all()
+    loss_off, _ = future_kl_policy_loss(logp, old, adv, mask,
+                                        agg=LossAgg.from_masks("token-mean", mask), params=off)
+    assert loss_off.item() == pytest.approx(25 / 11, abs=1e-12)
 
 
 def test_discounted_future_sum_equals_naive_loop_across_blocks():

@@ -50,6 +50,7 @@ from appo.algos.policy_losses import (
     PolicyLossParams,
     discounted_future_sum,
     entropy_balanced_policy_loss,
+    future_kl_kept_rows,
     future_kl_policy_loss,
     vanilla_policy_loss,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "entropy_aware_advantage",
     "entropy_balanced_policy_loss",
     "entropy_bonus",
+    "future_kl_kept_rows",
     "future_kl_policy_loss",
     "group_index",
     "grpo_advantage",

@@ -35,7 +35,10 @@ of negative-advantage tokens at `-A c`.
   `f = sg(clamp(exp(FutureKL), lo, clip_high))` with `lo = 1` if `clip_high_only` else
   `2 - clip_high`; where `A < 0` and `r > safety_thresh`, `f` is clamped to [0.8, 1];
   `A' = A (1 + coef f)` (docs/algorithms.md §4.3; FIPO itself uses `A f`), then the
-  dual-clip loss on `A'`.
+  dual-clip loss on `A'`. Sequence filter (the original's, `future_kl_seq_filter`, on by
+  default): a row with more than one dual-clip hit (`A < 0` and the clipped loss above
+  `-A' c`) leaves the loss; the caller's `agg` must count only the kept rows
+  (`future_kl_kept_rows`), as the original's normaliser does.
   The APPO runs used eps 0.2 / 0.28 (`actor.clip_ratio_high=0.28`).
 """
 
@@ -57,6 +60,7 @@ __all__ = [
     "PolicyLossParams",
     "discounted_future_sum",
     "entropy_balanced_policy_loss",
+    "future_kl_kept_rows",
     "future_kl_policy_loss",
     "vanilla_policy_loss",
 ]
@@ -77,6 +81,7 @@ class PolicyLossParams:
     future_kl_clip_high_only: bool = True  # actor.future_kl_clip_high_only
     future_kl_safety_thresh: float = 6.0  # actor.future_kl_safety_thresh
     future_kl_coef: float = 1.0  # actor.future_kl_coef
+    future_kl_seq_filter: bool = True  # actor.future_kl_seq_filter
 
     def __post_init__(self) -> None:
         checks = [
@@ -233,6 +238,60 @@ def discounted_future_sum(values: Tensor, gamma: float, block: int = 256) -> Ten
         return out.to(values.dtype)
 
 
+@dataclass(frozen=True)
+class _FutureKL:
+    """The future-KL re-weighting of one `[B, T]` batch (all no-grad but `ratio`)."""
+
+    log_ratio: Tensor
+    ratio: Tensor
+    future_kl: Tensor
+    influence: Tensor
+    participates: Tensor
+    unsafe: Tensor
+
+
+def _future_kl_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+                     params: PolicyLossParams) -> _FutureKL:
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    with torch.no_grad():
+        drift = log_ratio.detach()
+        participates = loss_mask.bool() & (drift <= math.log(params.clip_c))
+        gamma = 2.0 ** (-1.0 / params.future_kl_decay_rate)
+        future_kl = discounted_future_sum(torch.where(participates, drift, 0.0), gamma)
+        low = 1.0 if params.future_kl_clip_high_only else 2.0 - params.future_kl_clip_high
+        influence = future_kl.clamp(-20.0, 20.0).exp().clamp(low, params.future_kl_clip_high)
+        unsafe = (advantages.detach() < 0) & (ratio.detach() > params.future_kl_safety_thresh)
+        influence = torch.where(unsafe, influence.clamp(0.8, 1.0), influence)
+    return _FutureKL(log_ratio, ratio, future_kl, influence, participates, unsafe)
+
+
+def _future_kl_loss(terms: _FutureKL, advantages: Tensor, params: PolicyLossParams,
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token loss `[B, T]` on `A' = A (1 + coef f)`, and the clip / dual-clip hit masks."""
+    weighted = advantages * (1.0 + params.future_kl_coef * terms.influence)
+    clipped = terms.ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high)
+    return _dual_clip(terms.ratio, clipped, weighted, params.clip_c)
+
+
+def future_kl_kept_rows(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+                        params: PolicyLossParams = PolicyLossParams()) -> Tensor:
+    """Rows `[B]` (bool) the sequence filter keeps: at most one token with `A < 0` whose
+    clipped loss exceeds the dual-clip bound `-A' c` (the original's rule). All rows are kept
+    with `future_kl_seq_filter` off. Inputs `[B, T]`; no gradient.
+
+    The loss's normaliser must count only these rows: build `agg` from
+    `loss_mask * kept[:, None]` (`LossAgg.from_masks`).
+    """
+    _check(logp, old_logp, advantages, loss_mask)
+    with torch.no_grad():
+        if not params.future_kl_seq_filter:
+            return torch.ones(logp.shape[0], dtype=torch.bool, device=logp.device)
+        terms = _future_kl_terms(logp.detach(), old_logp, advantages.detach(), loss_mask, params)
+        _, _, dual_hit = _future_kl_loss(terms, advantages.detach(), params)
+        return (dual_hit & loss_mask.bool()).sum(dim=-1) <= 1
+
+
 def future_kl_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -244,32 +303,28 @@ def future_kl_policy_loss(
     entropy: Tensor | None = None,
     entropy_stats: MaskedStats | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """APPO/FIPO future-KL re-weighted advantage, then dual-clip PPO. All tensors `[B, T]`."""
+    """APPO/FIPO future-KL re-weighted advantage, then dual-clip PPO. All tensors `[B, T]`.
+
+    With `future_kl_seq_filter`, rows with more than one dual-clip hit are left out of the
+    loss and the metrics; `agg` should count the kept rows only (`future_kl_kept_rows`).
+    """
     _check(logp, old_logp, advantages, loss_mask)
-    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    valid = loss_mask.bool()
-    with torch.no_grad():
-        drift = log_ratio.detach()
-        participates = valid & (drift <= math.log(params.clip_c))
-        gamma = 2.0 ** (-1.0 / params.future_kl_decay_rate)
-        future_kl = discounted_future_sum(torch.where(participates, drift, 0.0), gamma)
-        low = 1.0 if params.future_kl_clip_high_only else 2.0 - params.future_kl_clip_high
-        influence = future_kl.clamp(-20.0, 20.0).exp().clamp(low, params.future_kl_clip_high)
-        unsafe = (advantages.detach() < 0) & (ratio.detach() > params.future_kl_safety_thresh)
-        influence = torch.where(unsafe, influence.clamp(0.8, 1.0), influence)
-    weighted = advantages * (1.0 + params.future_kl_coef * influence)
-    loss, clip_hit, dual_hit = _dual_clip(ratio, ratio.clamp(1.0 - params.clip_low,
-                                                             1.0 + params.clip_high),
-                                          weighted, params.clip_c)
-    metrics = _ppo_metrics(log_ratio, clip_hit, dual_hit, loss_mask, agg)
+    terms = _future_kl_terms(logp, old_logp, advantages, loss_mask, params)
+    loss, clip_hit, dual_hit = _future_kl_loss(terms, advantages, params)
+    filtered = torch.zeros(logp.shape[0], dtype=torch.bool, device=logp.device)
+    if params.future_kl_seq_filter:
+        filtered = (dual_hit & loss_mask.bool()).sum(dim=-1) > 1
+        loss_mask = loss_mask * (~filtered)[:, None].to(loss_mask.dtype)
+    metrics = _ppo_metrics(terms.log_ratio, clip_hit, dual_hit, loss_mask, agg)
     metrics |= {
-        "future_kl": token_share(future_kl, loss_mask, agg),
-        "future_kl_influence": token_share(influence, loss_mask, agg),
+        "future_kl": token_share(terms.future_kl, loss_mask, agg),
+        "future_kl_influence": token_share(terms.influence, loss_mask, agg),
         "future_kl_influence_at_high": token_share(
-            (influence >= params.future_kl_clip_high).float(), loss_mask, agg),
-        "future_kl_participation": token_share(participates.float(), loss_mask, agg),
-        "future_kl_safety_frac": token_share(unsafe.float(), loss_mask, agg),
+            (terms.influence >= params.future_kl_clip_high).float(), loss_mask, agg),
+        "future_kl_participation": token_share(terms.participates.float(), loss_mask, agg),
+        "future_kl_safety_frac": token_share(terms.unsafe.float(), loss_mask, agg),
+        # a count (summed over micro-batches), not a share
+        "future_kl_filtered_rows": float(filtered.sum()),
     }
     return aggregate(loss, loss_mask, agg), metrics
 

@@ -9,7 +9,13 @@ place the loss's scalar parameters are taken from it. The mathematics is `appo.a
   a group's prompt computed once (`appo.trainer.forward`);
 - loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
   so the value and gradient do not depend on micro-batch or rank splits;
-- rows without a trained token (APPO branch rows) never enter the loss.
+- rows without a trained token (APPO branch rows) never enter the loss;
+- `future_kl`'s sequence filter (docs/algorithms.md §4.3) removes rows from the policy loss
+  and its normaliser: after the update's first optimizer step the policy has moved, so a
+  no-grad pass over the mini-batch decides the kept rows before its normaliser is counted
+  (KL and entropy terms keep every row, as in the original). At the first step the ratio is
+  1 up to recompute noise, far from the dual-clip bound `c > 1`, so no row can be filtered
+  and no pass is needed.
 With one PPO epoch and one mini-batch the behaviour log-probs are the detached log-probs of
 the update's own forward (ratio 1 exactly): the separate no-grad pass verl runs would compute
 the same. With more, that pass runs first (`needs_old_logp`).
@@ -30,6 +36,7 @@ from appo.algos import (
     PolicyLossParams,
     entropy_aware_advantage,
     entropy_bonus,
+    future_kl_kept_rows,
     kl_loss,
     token_logprobs_and_entropy,
 )
@@ -51,6 +58,7 @@ def policy_loss_params(actor: Any) -> PolicyLossParams:
         future_kl_clip_high_only=actor.future_kl_clip_high_only,
         future_kl_safety_thresh=actor.future_kl_safety_thresh,
         future_kl_coef=actor.future_kl_coef,
+        future_kl_seq_filter=actor.future_kl_seq_filter,
     )
 
 
@@ -142,15 +150,20 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     n_mini = mini_batches(actor, len(uid_order), dp)
     sums: Counter = Counter()
     padded_total = real_total = rows_total = 0
+    filters_rows = actor.policy_loss == "future_kl" and loss_params.future_kl_seq_filter
     model.train()
-    for _epoch in range(actor.ppo_epochs):
+    for epoch in range(actor.ppo_epochs):
         for m in range(n_mini):
             mb_uids = set(uid_order[m * per_mb : (m + 1) * per_mb])
             mini = batch.select([i for i in trainable if batch.uids[i] in mb_uids])
-            n_tok, n_seq = dp.sum_floats([float(mini.loss_mask.sum()),
-                                          float((mini.loss_mask.sum(dim=1) > 0).sum())])
-            agg = LossAgg(actor.loss_agg_mode, max(n_tok, 1.0), max(n_seq, 1.0),
-                          float(max_response_length))
+            agg = _loss_agg(actor, mini.loss_mask, max_response_length, dp)
+            keep = torch.ones(len(mini), dtype=torch.bool)
+            pg_agg = agg
+            if filters_rows and (epoch > 0 or m > 0):
+                keep = _kept_rows(model, mini, actor, loss_params, share_prefix)
+                sums["actor/future_kl_filtered_rows"] += float((~keep).sum())
+                pg_agg = _loss_agg(actor, mini.loss_mask * keep[:, None], max_response_length,
+                                   dp)
             plan = plan_shared_microbatches(mini.input_ids, mini.lengths,
                                             actor.ppo_max_token_len_per_device, mini.uids,
                                             share_prefix)
@@ -164,7 +177,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             for mb_idx in plan.batches:
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
-                                        share_prefix,
+                                        share_prefix, pg_agg=pg_agg, keep=keep[mb_idx],
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
@@ -198,8 +211,26 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     return out
 
 
+def _loss_agg(actor: Any, loss_mask: Tensor, max_response_length: int,
+              dp: DataParallel) -> LossAgg:
+    """The mini-batch's normalisers over every rank (`[B, R]` mask of this rank's rows)."""
+    n_tok, n_seq = dp.sum_floats([float(loss_mask.sum()), float((loss_mask.sum(dim=1) > 0).sum())])
+    return LossAgg(actor.loss_agg_mode, max(n_tok, 1.0), max(n_seq, 1.0),
+                   float(max_response_length))
+
+
+def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParams,
+               share_prefix: bool) -> Tensor:
+    """Rows `[B]` of `mini` that `future_kl`'s sequence filter keeps under the current policy."""
+    logp = batched_logprobs(model, mini, actor.ppo_max_token_len_per_device,
+                            actor.logprob_chunk_size, share_prefix)
+    old = mini.old_logp if mini.old_logp is not None else logp
+    return future_kl_kept_rows(logp, old, mini.advantages, mini.loss_mask, loss_params).cpu()
+
+
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
-                share_prefix: bool, loss_scale: float = 1.0) -> dict[str, float]:
+                share_prefix: bool, pg_agg: LossAgg | None = None, keep: Tensor | None = None,
+                loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
     )
@@ -216,8 +247,10 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
         adv, m = entropy_aware_advantage(adv, entropy.detach(), mask,
                                          alpha=actor.entropy_advantage_alpha)
         metrics.update({f"actor/{k}": v * float(mask.sum()) / agg.n_tokens for k, v in m.items()})
+    # The policy loss sees only the rows the sequence filter kept (all rows without it).
+    pg_mask = mask if keep is None else mask * keep.to(device)[:, None]
     loss, m = POLICY_LOSSES[actor.policy_loss](
-        logp, old, adv, mask, agg=agg, params=loss_params,
+        logp, old, adv, pg_mask, agg=pg_agg or agg, params=loss_params,
         entropy=None if entropy is None else entropy.detach(),
     )
     metrics.update({f"actor/{k}": v for k, v in m.items()})
