@@ -91,6 +91,9 @@ class RolloutConfig:
     # appo
     appo_gamma: float = 1.0
     future_value_clip: float = 0.2
+    # Branch points: the original excludes whitespace-only tokens; true also excludes
+    # punctuation-only ones (appo's option, docs/algorithms.md appo.3).
+    appo_skip_punctuation: bool = False
     # A row whose |logp_current - logp_rollout| all stay within this is on-policy up to
     # recompute noise (FV = 1): appo ranks its branch points by entropy. null: by the
     # scoring model's dtype (float32 1e-3, float16 0.25, bfloat16 2.0: measured recompute

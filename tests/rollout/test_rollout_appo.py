@@ -16,6 +16,7 @@ from appo.rollout.scoring import (
     branching_scores,
     future_value,
     is_punct_or_space,
+    is_space,
     plan_branches,
     zscore,
 )
@@ -104,6 +105,19 @@ def test_zero_variance_future_value_degrades_to_zero_not_nan():
 def test_punctuation_and_whitespace_tokens():
     assert is_punct_or_space(",") and is_punct_or_space("  ") and is_punct_or_space(" +=")
     assert not is_punct_or_space(" the") and not is_punct_or_space("7")
+    assert is_space("  ") and is_space("\n") and is_space("")
+    assert not is_space(",") and not is_space(" +=")
+
+
+def test_default_excludes_whitespace_only_as_the_original(tok):
+    """The original's rule (the default): only whitespace tokens are excluded, so row 1's
+    "," (t=1, BS .67, see hand_built) is a candidate and its " " (t=2) is not. By BS:
+    (0,1) 1.92, (1,1) .67, (0,3) .61, (1,3) .46."""
+    trajs, current = hand_built(tok)
+    s = RolloutSettings()
+    assert s.appo_skip_punctuation is False
+    assert picks(plan_branches(trajs, current, {"u": 4}, s, tok)) == [
+        (0, 1), (1, 1), (0, 3), (1, 3)]
 
 
 def make_traj(tok, uid, text, entropy, s_target, tid):
@@ -140,14 +154,14 @@ def picks(plan):
 
 def test_top_b_candidates_by_branching_score(tok):
     trajs, current = hand_built(tok)
-    s = RolloutSettings()
+    s = RolloutSettings(appo_skip_punctuation=True)
     assert picks(plan_branches(trajs, current, {"u": 2}, s, tok)) == [(0, 1), (0, 3)]
     assert picks(plan_branches(trajs, current, {"u": 3}, s, tok)) == [(0, 1), (0, 3), (1, 3)]
 
 
 def test_short_candidates_are_filled_from_eligible_tokens_by_score(tok):
     trajs, current = hand_built(tok)
-    s = RolloutSettings()
+    s = RolloutSettings(appo_skip_punctuation=True)
     # 3 candidates, then eligible non-candidates by BS: (0,2) .63, (1,0) .48, (0,0) .08
     assert picks(plan_branches(trajs, current, {"u": 6}, s, tok)) == [
         (0, 1), (0, 3), (1, 3), (0, 2), (1, 0), (0, 0)]
@@ -159,7 +173,7 @@ def test_short_candidates_are_filled_from_eligible_tokens_by_score(tok):
 def test_on_policy_scores_rank_by_entropy(tok):
     trajs, _ = hand_built(tok)
     on_policy = [torch.tensor(t.logp_rollout) + 1e-7 for t in trajs]
-    s = RolloutSettings()
+    s = RolloutSettings(appo_skip_punctuation=True)
     plan = plan_branches(trajs, on_policy, {"u": 4}, s, tok)
     # BS = 0 everywhere; eligible tokens by entropy: (1,3) 8, (0,1) 5, (0,3) 4, then the
     # tie at 2 between (0,2) and (1,0) goes to the earlier row.

@@ -6,8 +6,8 @@ Per initial trajectory, over its sampled tokens (`mask`):
     FV_t  = clamp(exp(clamp(sum_{k>=t} gamma^(k-t) lr_k mask_k, -20, 20)), 1-eps, 1+eps)
     BS_t  = z(H)_t * z(FV)_t          (z-scores per row, population std, + 1e-6)
 
-Candidates have z(H) > 0, z(FV) > 0, BS > 0 and a token that is not whitespace/punctuation
-only; per prompt the top `B = n - initial_rollouts` by BS are branched, filled if short from
+Candidates have z(H) > 0, z(FV) > 0, BS > 0 and a token that is not whitespace only (the
+original's rule; with `rollout.appo_skip_punctuation`, not punctuation only either); per prompt the top `B = n - initial_rollouts` by BS are branched, filled if short from
 all eligible tokens by BS with ties broken by entropy.
 
 Zero-variance FV (on-policy: the scorer and the engine are the same model, so `lr` is only
@@ -22,8 +22,9 @@ log-probs by far more.
 
 Eligibility, beyond the original's rule (docs/algorithms.md §2.4 appo.3, §9 D8): the last token of a model segment is never a split
 point (a continuation after a stop tag, EOS or the length limit has nothing to sample), and
-if a prompt has fewer eligible tokens than `B`, the ranking is reused cyclically, then
-punctuation tokens are allowed, then branches fall back to the prompt (`split = -1`).
+if a prompt has no eligible token, the excluded whitespace (and punctuation) tokens are
+allowed; if it has fewer split points than `B`, the ranking is reused cyclically, then
+branches fall back to the prompt (`split = -1`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def branching_scores(
     return BranchScores(z_h, z_fv, z_h * z_fv, fv)
 
 
+def is_space(text: str) -> bool:
+    """True for text made only of whitespace (or empty): the original's excluded tokens."""
+    return not text.strip()
+
+
 def is_punct_or_space(text: str) -> bool:
     """True for text made only of whitespace and punctuation (incl. symbols such as + =)."""
     return all(
@@ -179,13 +185,14 @@ def plan_branches(
                 lr_noise_tol,
             )
             ends = _segment_last_tokens(traj)
+            excluded = is_punct_or_space if settings.appo_skip_punctuation else is_space
             bs, z_h, z_fv = scores.bs.tolist(), scores.z_h.tolist(), scores.z_fv.tolist()
             for t in range(size):
                 if not sampled[t] or t in ends:
                     continue
                 entry = (bs[t], traj.entropy[t], i, t)
                 relaxed.append(entry)
-                if is_punct_or_space(tokenizer.decode([traj.response_ids[t]])):
+                if excluded(tokenizer.decode([traj.response_ids[t]])):
                     continue
                 eligible.append(entry)
                 if z_h[t] > 0 and z_fv[t] > 0 and bs[t] > 0:
@@ -197,7 +204,7 @@ def plan_branches(
             chosen += [e for e in _rank(eligible) if (e[2], e[3]) not in taken][
                 : want - len(chosen)
             ]
-        if not chosen:  # no eligible token at all: allow punctuation/whitespace tokens
+        if not chosen:  # no eligible token at all: allow the excluded tokens
             chosen = _rank(relaxed)[:want]
         pool = list(chosen)
         k = 0

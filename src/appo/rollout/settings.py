@@ -45,6 +45,7 @@ class RolloutSettings:
     # appo
     appo_gamma: float = _R.appo_gamma
     future_value_clip: float = _R.future_value_clip
+    appo_skip_punctuation: bool = _R.appo_skip_punctuation
     # appo: a row whose |logp_current - logp_rollout| stay within this is on-policy up to
     # recompute noise: rank by entropy. None: by the scoring model's dtype
     # (`appo.rollout.scoring.LR_NOISE_TOL`).
@@ -95,6 +96,7 @@ class RolloutSettings:
             reuse_premonitor=bool(r.reuse_premonitor),
             appo_gamma=float(r.appo_gamma),
             future_value_clip=float(r.future_value_clip),
+            appo_skip_punctuation=bool(r.appo_skip_punctuation),
             lr_noise_tol=None if r.lr_noise_tol is None else float(r.lr_noise_tol),
             seed=int(r.seed),
         )
