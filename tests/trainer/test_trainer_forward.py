@@ -95,3 +95,24 @@ def test_plan_groups_rows_and_respects_the_budget():
         sub = [rows[i] for i in batch]
         assert len(batch) == 1 or computed_tokens(*_t(sub)) <= 60
     assert sorted(i for bt in tight.batches for i in bt) == list(range(6))
+
+
+def test_training_logprobs_are_at_the_rollout_temperature():
+    """verl divides the training logits by the rollout temperature: logp of token a at T is
+    log_softmax(z / T)[a] (docs/algorithms.md §4.7); T = 1 is the plain forward."""
+    from test_trainer_rl import _fixed_rows
+
+    from appo.trainer.update import batched_logprobs
+
+    lm = load_model("tiny-test")
+    rows = _fixed_rows(lm.tokenizer, n=3)
+    with torch.no_grad():
+        logits = lm.model(input_ids=rows.input_ids).logits.double()
+    for temperature in (1.0, 0.6, 2.0):
+        got = batched_logprobs(lm.model, rows, 4096, 128, temperature=temperature)
+        for i in range(len(rows)):
+            p, n = int(rows.prompt_lens[i]), int(rows.response_lens[i])
+            targets = rows.input_ids[i, p : p + n]
+            want = torch.log_softmax(logits[i, p - 1 : p + n - 1] / temperature, -1)
+            want = want.gather(1, targets[:, None])[:, 0].float()
+            torch.testing.assert_close(got[i, :n], want, atol=2e-5, rtol=1e-5)

@@ -109,7 +109,7 @@ class RLTrainer:
         with timer.measure("update"):
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
-                                   fsdp=self.fsdp)
+                                   fsdp=self.fsdp, temperature=self.train_temperature)
         self._rollout_stale = True
         all_rewards = self.dp.gather_objects(rewards)
         metrics = rollout_metrics(everyone, all_rewards, rollout.stats)
@@ -185,7 +185,8 @@ class RLTrainer:
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         a = self.cfg.actor
         return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
-                                a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp)
+                                a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp,
+                                temperature=self.train_temperature)
 
     def validate(self) -> dict[str, float]:
         """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""
@@ -315,6 +316,10 @@ class RLTrainer:
         # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
         self._rollout_stale = hasattr(self.engine, "sync_weights")
         self.settings = RolloutSettings.from_config(cfg)
+        # verl computes training log-probs at the rollout temperature (docs/algorithms.md §4.7);
+        # a greedy rollout (temperature 0) has no such distribution: 1.
+        self.train_temperature = (float(cfg.rollout.temperature)
+                                  if cfg.rollout.temperature > 0 else 1.0)
         self.adv_params = AdvantageParams(
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
             appo_discount_credit=cfg.algorithm.appo_discount_credit,

@@ -81,11 +81,12 @@ def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
 
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
                       entropy_grad: bool = False, share_prefix: bool = True,
-                      ) -> tuple[Tensor, Tensor | None, Tensor]:
+                      temperature: float = 1.0) -> tuple[Tensor, Tensor | None, Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `batch`.
 
     Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
-    real response tokens), R = longest response. Log-probs come from the final hidden
+    real response tokens), R = longest response. The logits are divided by `temperature`,
+    the rollout's (as verl does; 1 for a greedy rollout). Log-probs come from the final hidden
     states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
     `[b, T, V]` logits never exist; the model itself computes logits for one position only.
     """
@@ -105,7 +106,8 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     head = model.get_output_embeddings()
     logp, entropy = token_logprobs_and_entropy(
         gathered, head.weight, targets, bias=getattr(head, "bias", None),
-        chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
     logp = logp * valid
     if entropy is not None:
@@ -115,7 +117,7 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
 
 @torch.no_grad()
 def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
-                     share_prefix: bool = True) -> Tensor:
+                     share_prefix: bool = True, temperature: float = 1.0) -> Tensor:
     """No-grad response log-probs `[B, R]` of every row (old / reference policy),
     token-budgeted; zero past each row's response."""
     out = torch.zeros_like(batch.loss_mask)
@@ -123,14 +125,14 @@ def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
                                     share_prefix)
     for idx in plan.batches:
         logp, _, _ = response_logprobs(model, batch.select(idx), chunk_size, False,
-                                       share_prefix=share_prefix)
+                                       share_prefix=share_prefix, temperature=temperature)
         out[torch.tensor(idx), : logp.shape[1]] = logp.float().cpu()
     return out
 
 
 def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
                   dp: DataParallel | None = None, scheduler=None,
-                  fsdp: bool = False) -> dict[str, float]:
+                  fsdp: bool = False, temperature: float = 1.0) -> dict[str, float]:
     """`actor.ppo_epochs` x mini-batches of this rank's rows; one optimizer step each.
 
     `batch` needs `advantages`, `ref_logp` with a KL term, and `old_logp` when
@@ -139,6 +141,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     `fsdp`: the model is sharded (`appo.trainer.fsdp`): every rank runs as many forward
     passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
     shared-prefix forward is off (its number of model calls depends on the rows).
+    `temperature`: the rollout's sampling temperature, applied to the training logits.
     """
     dp = dp or DataParallel()
     share_prefix = actor.share_prefix_forward and not fsdp
@@ -160,7 +163,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             keep = torch.ones(len(mini), dtype=torch.bool)
             pg_agg = agg
             if filters_rows and (epoch > 0 or m > 0):
-                keep = _kept_rows(model, mini, actor, loss_params, share_prefix)
+                keep = _kept_rows(model, mini, actor, loss_params, share_prefix, temperature)
                 sums["actor/future_kl_filtered_rows"] += float((~keep).sum())
                 pg_agg = _loss_agg(actor, mini.loss_mask * keep[:, None], max_response_length,
                                    dp)
@@ -177,7 +180,8 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             for mb_idx in plan.batches:
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
-                                        share_prefix, pg_agg=pg_agg, keep=keep[mb_idx],
+                                        share_prefix, temperature, pg_agg=pg_agg,
+                                        keep=keep[mb_idx],
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
@@ -220,16 +224,17 @@ def _loss_agg(actor: Any, loss_mask: Tensor, max_response_length: int,
 
 
 def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParams,
-               share_prefix: bool) -> Tensor:
+               share_prefix: bool, temperature: float) -> Tensor:
     """Rows `[B]` of `mini` that `future_kl`'s sequence filter keeps under the current policy."""
     logp = batched_logprobs(model, mini, actor.ppo_max_token_len_per_device,
-                            actor.logprob_chunk_size, share_prefix)
+                            actor.logprob_chunk_size, share_prefix, temperature)
     old = mini.old_logp if mini.old_logp is not None else logp
     return future_kl_kept_rows(logp, old, mini.advantages, mini.loss_mask, loss_params).cpu()
 
 
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
-                share_prefix: bool, pg_agg: LossAgg | None = None, keep: Tensor | None = None,
+                share_prefix: bool, temperature: float, pg_agg: LossAgg | None = None,
+                keep: Tensor | None = None,
                 loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
@@ -237,6 +242,7 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
     logp, entropy, valid = response_logprobs(
         model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
         entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
+        temperature=temperature,
     )
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
