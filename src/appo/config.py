@@ -192,6 +192,11 @@ class ActorConfig:
     # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
     freeze_embeddings: bool = False
     grad_clip: float = 1.0
+    # With model.dtype bfloat16: keep the trained weights and AdamW states in float32 and
+    # run the training forwards in bfloat16 (autocast), as verl's FSDP actor does; the
+    # rollout engine (vllm) still runs in bfloat16. False: train the bfloat16 weights in
+    # place (small updates such as lr 1e-6 steps then mostly round away).
+    fp32_master_weights: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

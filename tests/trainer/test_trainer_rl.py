@@ -25,6 +25,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture
 def toy(tmp_path) -> dict[str, Path]:
+    return make_toy(tmp_path)
+
+
+def make_toy(tmp_path: Path) -> dict[str, Path]:
+    """A 16-prompt JSONL dataset and a learnable reward file under `tmp_path`."""
     data = tmp_path / "toy.jsonl"
     with data.open("w") as f:
         for i in range(16):

@@ -80,3 +80,19 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     assert ra.train_loss[0] == pytest.approx(rb.train_loss[0], rel=1e-5)
     # (Parameters are not compared: Adam's first step is ~lr*sign(g), so float noise on
     # near-zero gradients flips signs and hides nothing the norm check does not catch.)
+
+
+def test_bfloat16_loss_over_float32_masters_matches_the_bfloat16_model():
+    """SFT under `model.dtype=bfloat16` (float32 masters, bfloat16 forwards): the loss is the
+    bfloat16 model's up to bfloat16 rounding, and the gradient reaches the float32 weights."""
+    lm = load_model("tiny-test")
+    exs = _examples(lm.tokenizer, 3)
+    pad = lm.tokenizer.pad_token_id
+    mixed, n = masked_token_loss_sum(lm.model, exs, pad, compute_dtype=torch.bfloat16)
+    bf16, _ = masked_token_loss_sum(copy.deepcopy(lm.model).to(torch.bfloat16), exs, pad)
+    fp32, _ = masked_token_loss_sum(lm.model, exs, pad)
+    assert abs(float(mixed.detach()) - float(bf16.detach())) < 0.02 * n
+    assert float(mixed.detach()) != float(fp32.detach())  # computed in bfloat16
+    mixed.backward()
+    grads = [p.grad for p in lm.model.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g in grads)

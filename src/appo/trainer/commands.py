@@ -12,10 +12,12 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.errors import AppoError
     from appo.models import load_model
     from appo.trainer.metrics import MetricsLogger
+    from appo.trainer.precision import master_dtype, train_compute_dtype
     from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
-    lm = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
+    # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
+    lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")
     if not train.examples:
         raise AppoError("sft.train_files produced no examples")
@@ -26,7 +28,8 @@ def _sft(args: argparse.Namespace) -> int:
           f"({train.stats.skipped_overlong} skipped as too long), model {cfg.model.path}")
     result = train_sft(lm.model, lm.tokenizer, train.examples, s, seed=cfg.trainer.seed,
                        val=val, logger=logger,
-                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                       compute_dtype=train_compute_dtype(cfg))
     logger.close()
     last = result.train_loss[-1] if result.train_loss else float("nan")
     print(f"appo sft: {result.steps} steps in {result.seconds:.0f} s, final loss {last:.4f}"

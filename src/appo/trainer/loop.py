@@ -35,6 +35,7 @@ from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
+from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
@@ -109,7 +110,8 @@ class RLTrainer:
         with timer.measure("update"):
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
-                                   fsdp=self.fsdp, temperature=self.train_temperature)
+                                   fsdp=self.fsdp, temperature=self.train_temperature,
+                                   compute_dtype=self.compute_dtype)
         self._rollout_stale = True
         all_rewards = self.dp.gather_objects(rewards)
         metrics = rollout_metrics(everyone, all_rewards, rollout.stats)
@@ -186,7 +188,8 @@ class RLTrainer:
         a = self.cfg.actor
         return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
                                 a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp,
-                                temperature=self.train_temperature)
+                                temperature=self.train_temperature,
+                                compute_dtype=self.compute_dtype)
 
     def validate(self) -> dict[str, float]:
         """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""
@@ -280,8 +283,11 @@ class RLTrainer:
         device = cfg.model.device
         if device == "auto" and self.dp.enabled and torch.cuda.is_available():
             device = f"cuda:{self.dp.rank % torch.cuda.device_count()}"
-        self.lm = lm or load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+        self.lm = lm or load_model(cfg.model.path, dtype=master_dtype(cfg), device=device)
         self.model = self.lm.model
+        # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
+        self.compute_dtype = (train_compute_dtype(cfg)
+                              if next(self.model.parameters()).dtype == torch.float32 else None)
         self.tokenizer = self.lm.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if cfg.model.enable_gradient_checkpointing:
@@ -292,6 +298,8 @@ class RLTrainer:
         self.ref_model = None
         if kl_coef(cfg.actor) != 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.compute_dtype is not None:  # a frozen copy needs no float32 master
+                self.ref_model.to(self.compute_dtype)
         # Under FSDP the engine samples from a whole replica, synced after each update.
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model

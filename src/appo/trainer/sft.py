@@ -40,20 +40,23 @@ class SFTResult:
 
 
 def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
-                          share_prefix: bool = True,
-                          chunk_size: int = 128) -> tuple[torch.Tensor, int]:
+                          share_prefix: bool = True, chunk_size: int = 128,
+                          compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over the targets with loss_mask=1, and their count.
 
     Logits exist only for those targets, a chunk at a time, and the rows' common prefix
-    (the system prompt) is computed once (`appo.trainer.forward`).
+    (the system prompt) is computed once (`appo.trainer.forward`). `compute_dtype`: float32
+    master weights computed in this dtype (`appo.trainer.precision`).
     """
     from appo.algos import token_logprobs_and_entropy
     from appo.trainer.batch import pad_right
     from appo.trainer.forward import final_hidden_states
+    from appo.trainer.precision import autocast
 
-    hidden = final_hidden_states(model, pad_right([e.input_ids for e in examples], pad_id,
-                                                  torch.long),
-                                 torch.tensor([len(e.input_ids) for e in examples]), share_prefix)
+    with autocast(next(model.parameters()).device, compute_dtype):
+        hidden = final_hidden_states(
+            model, pad_right([e.input_ids for e in examples], pad_id, torch.long),
+            torch.tensor([len(e.input_ids) for e in examples]), share_prefix)
     rows, positions, targets = [], [], []
     for i, e in enumerate(examples):
         for p in range(1, len(e.input_ids)):
@@ -65,11 +68,15 @@ def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
     if not targets:
         return hidden.sum() * 0.0, 0
     head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
     device = hidden.device
     picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+    if compute_dtype is not None:
+        picked, weight = picked.to(compute_dtype), weight.to(compute_dtype)
+        bias = None if bias is None else bias.to(compute_dtype)
     logp, _ = token_logprobs_and_entropy(
-        picked, head.weight, torch.tensor(targets, device=device),
-        bias=getattr(head, "bias", None), chunk_size=chunk_size, with_entropy=False,
+        picked, weight, torch.tensor(targets, device=device),
+        bias=bias, chunk_size=chunk_size, with_entropy=False,
     )
     return -logp.sum(), len(targets)
 
@@ -97,10 +104,12 @@ def train_sft(
     logger: MetricsLogger | None = None,
     progress: bool = True,
     gradient_checkpointing: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> SFTResult:
     """Run SFT in place on `model` under `params` (an `appo.config.SFTConfig`: `sft.*`);
     checkpoints go to `params.output_dir`. Returns the loss curve and the final checkpoint
-    path. `seed` (`trainer.seed`) orders the data."""
+    path. `seed` (`trainer.seed`) orders the data. `compute_dtype`: the forwards' autocast
+    dtype over float32 master weights (`appo.trainer.precision`), or None."""
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -146,7 +155,7 @@ def train_sft(
             loss_total = 0.0
             for m in range(0, len(window), params.batch_size):
                 loss_sum, _ = masked_token_loss_sum(model, window[m : m + params.batch_size],
-                                                    pad_id)
+                                                    pad_id, compute_dtype=compute_dtype)
                 loss = loss_sum / max(step_tokens, 1)
                 loss.backward()
                 loss_total += float(loss.detach())

@@ -44,6 +44,7 @@ from appo.trainer.batch import TrainBatch
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_step, to_float
+from appo.trainer.precision import autocast
 
 
 def policy_loss_params(actor: Any) -> PolicyLossParams:
@@ -81,7 +82,8 @@ def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
 
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
                       entropy_grad: bool = False, share_prefix: bool = True,
-                      temperature: float = 1.0) -> tuple[Tensor, Tensor | None, Tensor]:
+                      temperature: float = 1.0, compute_dtype: torch.dtype | None = None,
+                      ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `batch`.
 
     Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
@@ -89,9 +91,11 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     the rollout's (as verl does; 1 for a greedy rollout). Log-probs come from the final hidden
     states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
     `[b, T, V]` logits never exist; the model itself computes logits for one position only.
+    `compute_dtype`: float32 master weights computed in this dtype (`appo.trainer.precision`).
     """
     device = next(model.parameters()).device
-    hidden = final_hidden_states(model, batch.input_ids, batch.lengths, share_prefix)
+    with autocast(device, compute_dtype):
+        hidden = final_hidden_states(model, batch.input_ids, batch.lengths, share_prefix)
     ids = batch.input_ids[:, : hidden.shape[1]].to(device)
     resp = batch.response_lens
     width = int(resp.max()) if len(batch) else 0
@@ -104,8 +108,12 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     gathered = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
     targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1)) * valid
     head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if compute_dtype is not None:  # the head in the compute dtype too (gradients cast back)
+        gathered, weight = gathered.to(compute_dtype), weight.to(compute_dtype)
+        bias = None if bias is None else bias.to(compute_dtype)
     logp, entropy = token_logprobs_and_entropy(
-        gathered, head.weight, targets, bias=getattr(head, "bias", None),
+        gathered, weight, targets, bias=bias,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
         entropy_grad=entropy_grad,
     )
@@ -117,7 +125,8 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
 
 @torch.no_grad()
 def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
-                     share_prefix: bool = True, temperature: float = 1.0) -> Tensor:
+                     share_prefix: bool = True, temperature: float = 1.0,
+                     compute_dtype: torch.dtype | None = None) -> Tensor:
     """No-grad response log-probs `[B, R]` of every row (old / reference policy),
     token-budgeted; zero past each row's response."""
     out = torch.zeros_like(batch.loss_mask)
@@ -125,14 +134,16 @@ def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
                                     share_prefix)
     for idx in plan.batches:
         logp, _, _ = response_logprobs(model, batch.select(idx), chunk_size, False,
-                                       share_prefix=share_prefix, temperature=temperature)
+                                       share_prefix=share_prefix, temperature=temperature,
+                                       compute_dtype=compute_dtype)
         out[torch.tensor(idx), : logp.shape[1]] = logp.float().cpu()
     return out
 
 
 def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
                   dp: DataParallel | None = None, scheduler=None,
-                  fsdp: bool = False, temperature: float = 1.0) -> dict[str, float]:
+                  fsdp: bool = False, temperature: float = 1.0,
+                  compute_dtype: torch.dtype | None = None) -> dict[str, float]:
     """`actor.ppo_epochs` x mini-batches of this rank's rows; one optimizer step each.
 
     `batch` needs `advantages`, `ref_logp` with a KL term, and `old_logp` when
@@ -142,6 +153,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
     shared-prefix forward is off (its number of model calls depends on the rows).
     `temperature`: the rollout's sampling temperature, applied to the training logits.
+    `compute_dtype`: the forwards' autocast dtype over float32 master weights, or None.
     """
     dp = dp or DataParallel()
     share_prefix = actor.share_prefix_forward and not fsdp
@@ -163,7 +175,8 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             keep = torch.ones(len(mini), dtype=torch.bool)
             pg_agg = agg
             if filters_rows and (epoch > 0 or m > 0):
-                keep = _kept_rows(model, mini, actor, loss_params, share_prefix, temperature)
+                keep = _kept_rows(model, mini, actor, loss_params, share_prefix, temperature,
+                                  compute_dtype)
                 sums["actor/future_kl_filtered_rows"] += float((~keep).sum())
                 pg_agg = _loss_agg(actor, mini.loss_mask * keep[:, None], max_response_length,
                                    dp)
@@ -180,7 +193,8 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             for mb_idx in plan.batches:
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
-                                        share_prefix, temperature, pg_agg=pg_agg,
+                                        share_prefix, temperature, compute_dtype,
+                                        pg_agg=pg_agg,
                                         keep=keep[mb_idx],
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
@@ -224,16 +238,18 @@ def _loss_agg(actor: Any, loss_mask: Tensor, max_response_length: int,
 
 
 def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParams,
-               share_prefix: bool, temperature: float) -> Tensor:
+               share_prefix: bool, temperature: float,
+               compute_dtype: torch.dtype | None) -> Tensor:
     """Rows `[B]` of `mini` that `future_kl`'s sequence filter keeps under the current policy."""
     logp = batched_logprobs(model, mini, actor.ppo_max_token_len_per_device,
-                            actor.logprob_chunk_size, share_prefix, temperature)
+                            actor.logprob_chunk_size, share_prefix, temperature, compute_dtype)
     old = mini.old_logp if mini.old_logp is not None else logp
     return future_kl_kept_rows(logp, old, mini.advantages, mini.loss_mask, loss_params).cpu()
 
 
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
-                share_prefix: bool, temperature: float, pg_agg: LossAgg | None = None,
+                share_prefix: bool, temperature: float, compute_dtype: torch.dtype | None,
+                pg_agg: LossAgg | None = None,
                 keep: Tensor | None = None,
                 loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
@@ -242,7 +258,7 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
     logp, entropy, valid = response_logprobs(
         model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
         entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
-        temperature=temperature,
+        temperature=temperature, compute_dtype=compute_dtype,
     )
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
