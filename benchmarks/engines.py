@@ -87,9 +87,10 @@ def _make_engine(args):
         info["dtype"] = str(eng.dtype)
     else:
         import vllm
+        from vllm import SamplingParams as VSamplingParams
+
         from appo.config import load_config
         from appo.rollout.vllm_engine import VLLMEngine, start_llm
-        from vllm import SamplingParams as VSamplingParams
 
         t1 = time.perf_counter()
         cfg = load_config(overrides=[

@@ -12,9 +12,14 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.errors import AppoError
     from appo.models import load_model
     from appo.trainer.metrics import MetricsLogger
+    from appo.trainer.rundir import prepare_run_dir
     from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
+    # Before anything is loaded: a new SFT run never writes into an old run's directory.
+    cfg.sft.output_dir = str(prepare_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
+                                             overwrite=cfg.trainer.overwrite, resumable=False))
+    print(f"appo sft: run directory {cfg.sft.output_dir}", flush=True)
     lm = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")
     if not train.examples:
