@@ -51,7 +51,8 @@ def setup(work: Path) -> list[str]:
             f.write(json.dumps(row) + "\n")
     (work / "reward.py").write_text(REWARD)
     return ["model.path=tiny-test", f"data.train_files=[{data}]", "data.val_files=[]",
-            "data.train_batch_size=2", "data.max_response_length=16",
+            "data.train_batch_size=2", "data.max_prompt_length=1024",
+            "data.max_response_length=16",
             f"custom_reward_function.path={work / 'reward.py'}", "rollout.strategy=arpo",
             "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
             "actor.optim.lr=1e-2", "trainer.logger=[jsonl]", "trainer.save_freq=1"]
