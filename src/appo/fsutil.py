@@ -116,9 +116,12 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-# Library errors that wrap a failed write without an errno (torch's zip writer, safetensors).
-_WRITE_FAILURE_HINTS = ("file write failed", "no space left", "storagefull", "os error 28",
-                        "disk quota")
+# Library errors that wrap a failed write without an errno: torch's zip writer on a full
+# disk says "[enforce fail at inline_container.cc:672] . unexpected pos 82048 vs 81936"
+# (measured on a full tmpfs) or "file write failed"; safetensors says "StorageFull".
+_TORCH_WRITER = ("inline_container.cc", "pytorchstreamwriter", "file write failed")
+_NO_SPACE = ("no space left", "storagefull", "os error 28")
+_WRITE_FAILURE_HINTS = (*_TORCH_WRITER, *_NO_SPACE, "disk quota")
 
 
 def is_write_failure(exc: BaseException) -> bool:
@@ -129,19 +132,24 @@ def is_write_failure(exc: BaseException) -> bool:
 
 
 def write_error(exc: BaseException, path: str | Path, what: str = "write") -> AppoError:
-    """One line for a failed write under `path`: the cause in words, never a C++ trace."""
+    """One line for a failed write under `path`: the cause in words, never a C++ trace.
+    Call it before the partial files are removed: torch hides the errno, so a nearly full
+    disk at that moment is taken as the cause."""
     path = Path(path)
     text = str(exc)
+    lower = text.lower()
     no_space = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
-        hint in text.lower() for hint in ("no space left", "storagefull", "os error 28"))
-    if not no_space and "file write failed" in text.lower():
-        # torch hides the errno: a write that failed on a nearly full disk is the usual cause.
+        hint in lower for hint in _NO_SPACE)
+    torch_writer = any(hint in lower for hint in _TORCH_WRITER)
+    if not no_space and torch_writer:
         with contextlib.suppress(OSError):
             no_space = shutil.disk_usage(_existing_parent(path)).free < 64 * 2**20
     if no_space:
         reason = "no space left on device"
     elif isinstance(exc, OSError) and exc.strerror:
         reason = exc.strerror.lower()
+    elif torch_writer:
+        reason = "write failed (" + text.splitlines()[0].split("] .")[-1].strip() + ")"
     else:
         reason = text.splitlines()[0] if text else type(exc).__name__
     return AppoError(f"could not {what} {path}: {reason}")

@@ -120,15 +120,15 @@ def convert_gguf(gguf: Path, out: Path) -> bool:
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         model.hf_quantizer = None
-        try:
-            with atomic_dir(out) as tmp:  # removed again if the save fails
+        with atomic_dir(out) as tmp:  # removed again if the save fails
+            try:
                 model.save_pretrained(tmp)
                 tok.save_pretrained(tmp)
                 (tmp / ".complete").write_text(f"converted from {gguf}\n")
-        except Exception as e:
-            if is_write_failure(e):
-                raise write_error(e, out, "convert the model into") from e
-            raise
+            except Exception as e:
+                if is_write_failure(e):
+                    raise write_error(e, out, "convert the model into") from e
+                raise
     return True
 
 

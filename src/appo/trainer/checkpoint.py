@@ -69,26 +69,30 @@ def save_checkpoint(
     final = root / f"global_step_{step}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with atomic_dir(final) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            torch.save(
-                {
-                    "step": step,
-                    "optimizer": optimizer_state if optimizer_state is not None else (
-                        optimizer.state_dict() if optimizer is not None else None),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "rng": rng_state(),
-                    "extra": extra or {},
-                },
-                tmp / STATE_FILE,
-            )
-            write_manifest(tmp, step)
+        with atomic_dir(final) as tmp:  # removes tmp on any failure
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+                torch.save(
+                    {
+                        "step": step,
+                        "optimizer": optimizer_state if optimizer_state is not None else (
+                            optimizer.state_dict() if optimizer is not None else None),
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "rng": rng_state(),
+                        "extra": extra or {},
+                    },
+                    tmp / STATE_FILE,
+                )
+                write_manifest(tmp, step)
+            except Exception as e:
+                # Named while the partial files still fill the disk (write_error's docstring).
+                if is_write_failure(e):
+                    raise write_error(e, final, "save checkpoint") from e
+                raise
         atomic_write_text(root / "latest", final.name + "\n")
-    except Exception as e:
-        if is_write_failure(e):
-            raise write_error(e, final, "save checkpoint") from e
-        raise
+    except OSError as e:
+        raise write_error(e, final, "save checkpoint") from e
     return final
 
 
