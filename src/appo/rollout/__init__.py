@@ -95,7 +95,9 @@ def _server_engine(cfg: Any, lm: Any):
                         "(servers started with vllm's api_server)")
     if lm is None:
         raise AppoError("the openai rollout engine needs the policy's tokenizer")
-    weights_dir = Path(r.weights_dir or Path(cfg.trainer.default_local_dir) / "rollout_weights")
+    # The trainer fills in its run directory before it builds the engine.
+    run_dir = cfg.trainer.default_local_dir or "runs/appo"
+    weights_dir = Path(r.weights_dir or Path(run_dir) / "rollout_weights")
     return OpenAICompletionsEngine(list(r.base_urls), lm.tokenizer, logprobs=20,
                                    seed=int(r.seed),
                                    weights_dir=str(weights_dir.expanduser().resolve()))

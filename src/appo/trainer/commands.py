@@ -13,9 +13,14 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.models import load_model
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.precision import master_dtype, train_compute_dtype
+    from appo.trainer.rundir import prepare_run_dir
     from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
+    # Before anything is loaded: a new SFT run never writes into an old run's directory.
+    cfg.sft.output_dir = str(prepare_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
+                                             overwrite=cfg.trainer.overwrite, resumable=False))
+    print(f"appo sft: run directory {cfg.sft.output_dir}", flush=True)
     # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
     lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")

@@ -71,6 +71,9 @@ DEMO_OVERRIDES = [
     "trainer.rollout_data_dir=runs/demo/rl/rollouts",
     "trainer.logger=[console,jsonl]",
     "trainer.experiment_name=demo",
+    # The demo owns runs/demo/: a rerun replaces the previous demo's stages (each stage
+    # starts from scratch) instead of refusing the non-empty run directories.
+    "trainer.overwrite=true",
 ]
 
 
@@ -143,8 +146,11 @@ def results_table(stages: list[StageResult]) -> str:
 def _sft_stage(trainer, cfg) -> Any:
     from appo.data.sft import sft_data_from_config
     from appo.trainer.metrics import MetricsLogger
+    from appo.trainer.rundir import prepare_run_dir
     from appo.trainer.sft import train_sft
 
+    cfg.sft.output_dir = str(prepare_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
+                                             overwrite=cfg.trainer.overwrite, resumable=False))
     tools = {tag: trainer.tools.resolve(tag) for tag in trainer.tools.tags}
     data = sft_data_from_config(cfg, trainer.tokenizer, "train", tool_instances=tools)
     if not data.examples:

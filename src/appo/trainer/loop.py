@@ -277,7 +277,9 @@ class RLTrainer:
         self.cfg = cfg
         self.dp = DataParallel.from_env()
         self.progress = progress and self.dp.is_main
-        self.out_dir = Path(cfg.trainer.default_local_dir)
+        # Before anything is loaded or written: the run directory policy (rundir.py).
+        self.out_dir = self._run_dir()
+        cfg.trainer.default_local_dir = str(self.out_dir)  # what the checkpoints record
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         device = cfg.model.device
@@ -345,13 +347,38 @@ class RLTrainer:
         self.scheduler = self._make_scheduler()
         self.step = 0
         if cfg.trainer.resume:
+            from appo.config import to_container
+
             self.step = resume_training(self.out_dir, self.model, self.optimizer, self.scheduler,
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
-                                        announce=self.dp.is_main)
+                                        announce=self.dp.is_main, config=to_container(cfg))
+        # Rows logged after the checkpoint resumed from are redone: drop them.
         self.logger = MetricsLogger(
             self.out_dir, list(cfg.trainer.logger), run_name=cfg.trainer.experiment_name,
-            resume=cfg.trainer.resume and self.step > 0, enabled=self.dp.is_main,
+            resume_step=self.step if cfg.trainer.resume and self.step > 0 else None,
+            enabled=self.dp.is_main,
         )
+
+    def _run_dir(self) -> Path:
+        """Rank 0 applies the run directory policy; every rank takes its answer (the
+        collective is also the barrier before any rank reads the directory)."""
+        from appo.trainer.rundir import prepare_run_dir
+
+        t = self.cfg.trainer
+        decision: str | AppoError | None = None
+        if self.dp.is_main:
+            try:
+                decision = str(prepare_run_dir(t.default_local_dir, "appo",
+                                               "trainer.default_local_dir", resume=t.resume,
+                                               overwrite=t.overwrite))
+            except AppoError as e:
+                decision = e
+        decision = self.dp.gather_objects([decision] if self.dp.is_main else [])[0]
+        if isinstance(decision, AppoError):
+            raise decision
+        if self.dp.is_main:
+            print(f"appo: run directory {decision}", flush=True)
+        return Path(str(decision))
 
     def _make_scheduler(self):
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup

@@ -28,9 +28,12 @@ class MetricsLogger:
         sinks: list[str],
         run_name: str = "appo",
         config: dict[str, Any] | None = None,
-        resume: bool = False,
+        resume_step: int | None = None,
         enabled: bool = True,
     ):
+        """`resume_step`: continue the JSONL of a run resumed from that step, keeping its rows
+        up to the step and dropping later ones (they are about to be redone); None starts a
+        new file."""
         self.out_dir = Path(out_dir)
         self.sinks = list(sinks)
         self.enabled = enabled
@@ -40,8 +43,11 @@ class MetricsLogger:
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if "jsonl" in self.sinks and not resume and self.path.exists():
-            self.path.unlink()
+        if "jsonl" in self.sinks and self.path.exists():
+            if resume_step is None:
+                self.path.unlink()
+            else:
+                truncate_metrics(self.path, resume_step)
         if "tensorboard" in self.sinks:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -92,6 +98,27 @@ def _is_number(v: Any) -> bool:
         return math.isfinite(float(v))
     except (TypeError, ValueError):
         return False
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the rows of steps <= `step` (and drop a line cut short by a kill); returns how
+    many rows were dropped. Rewritten atomically: a kill now loses nothing."""
+    from appo.fsutil import atomic_write_text
+
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            keep = int(row["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(x + "\n" for x in kept))
+    return dropped
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -22,6 +22,7 @@ import torch
 
 from appo.trainer.checkpoint import save_checkpoint
 from appo.trainer.metrics import MetricsLogger
+from appo.trainer.rundir import unique_run_dir
 
 
 class TokenExample(Protocol):
@@ -118,7 +119,9 @@ def train_sft(
 
         raise AppoError("SFT got no training examples")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    out_dir = Path(params.output_dir)
+    # The CLI applied the run directory policy (appo.trainer.rundir); a library caller
+    # without a directory gets a new one.
+    out_dir = Path(params.output_dir) if params.output_dir else unique_run_dir("sft")
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
