@@ -70,6 +70,9 @@ def _eval(args: argparse.Namespace) -> int:
         raise AppoError(f"--limit must be >= 1, got {args.limit}")
     if args.logprobs < 0:
         raise AppoError(f"--logprobs must be >= 0, got {args.logprobs}")
+    from appo.paths import check_output_dir
+
+    check_output_dir(cfg.eval.out_dir, "eval.out_dir, --out")
 
     from appo.eval.runner import Evaluator, Grader, eval_settings, load_benchmarks
     from appo.rewards.router import RewardRouter, router_from_config

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appo.errors import AppoError
+from appo.jsonl import read_text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS search_cache (
@@ -220,8 +221,8 @@ def load_original_json(path: str | os.PathLike) -> dict[str, str]:
     if not path.is_file():
         raise AppoError(f"search cache file not found: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
         raise AppoError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
