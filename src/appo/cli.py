@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except AppoError as e:
-        return _fail(args, f"error: {e}", 2)
+        # One line even when a message quotes multi-line text (a library's error, a file).
+        return _fail(args, "error: " + " ".join(str(e).split("\n")), 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
