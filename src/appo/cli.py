@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed: a status, as below
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0

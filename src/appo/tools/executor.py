@@ -89,7 +89,8 @@ class _StatsAccumulator:
 
 
 class ToolExecutor:
-    """Runs tool calls concurrently; `execute_many` never raises and keeps the call order."""
+    """Runs tool calls concurrently; `execute_many` keeps the call order and raises only
+    `ToolFatalError` (a tool that cannot work at all)."""
 
     def __init__(
         self,
