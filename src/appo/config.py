@@ -378,7 +378,10 @@ def _validate(cfg: DictConfig) -> None:
                 )
     positive = ["rollout.n", "rollout.initial_rollouts", "rollout.beam_size",
                 "rollout.entropy_window", "data.train_batch_size", "data.max_response_length",
-                "actor.ppo_epochs", "actor.ppo_mini_batch_size", "eval.k", "tools.max_workers"]
+                "actor.ppo_epochs", "actor.ppo_mini_batch_size", "eval.k", "tools.max_workers",
+                "data.val_batch_size", "eval.max_response_length", "actor.logprob_chunk_size",
+                "actor.ppo_max_token_len_per_device", "sft.batch_size", "sft.max_length",
+                "sft.gradient_accumulation_steps"]
     for key in positive:
         value = OmegaConf.select(cfg, key)
         if value < 1:
