@@ -4,12 +4,20 @@ Each area registers its own sub-commands from a light module (`appo.<area>.comma
 imports its heavy dependencies only inside the handler, so `appo --help` and
 `appo tool python ...` start fast. Handlers raise `AppoError` for user mistakes; it is
 printed as one line (`--debug` shows the traceback) with exit status 2.
+
+This is also the one place where the operating system's file errors become messages: an
+`OSError` naming a file (permission denied, not a directory, disk full) is printed as one
+line naming the file, and a closed stdout (`appo ... | head`) ends the command quietly, as
+unix tools do. Bad command-line syntax is one line too (`AppoArgumentParser.error`), and
+options may come anywhere among the positional arguments (`appo train k=v --config f k=v`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 import traceback
 
@@ -26,8 +34,33 @@ COMMAND_MODULES = [
 ]
 
 
+class AppoArgumentParser(argparse.ArgumentParser):
+    """argparse with options anywhere and one-line errors; sub-commands inherit the class."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse fills a `nargs="*"` positional (the overrides) once: overrides on both
+        # sides of an option left the second group "unrecognized". Intermixed parsing
+        # collects them all; it refuses parsers with sub-commands, which keep the plain rule.
+        plain = self._intermixing or any(
+            a.nargs in (argparse.PARSER, argparse.REMAINDER)
+            for a in self._get_positional_actions())
+        if plain:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = AppoArgumentParser(
         prog="appo",
         description="Train tool-using reasoning agents with ARPO / AEPO / APPO.",
     )
@@ -40,31 +73,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed: a status, as below
+        return e.code if isinstance(e.code, int) else 2
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0
     try:
         result = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        return _stdout_closed()
     except AppoError as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        # One line even when a message quotes multi-line text (a library's error, a file).
+        return _fail(args, "error: " + " ".join(str(e).split("\n")), 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.filename is None and e.errno != errno.ENOSPC:
+            return _unexpected(args, e)
+        return _fail(args, f"error: {_os_error_text(e)}", 2)
     except Exception as e:  # noqa: BLE001 - last resort: still one line unless --debug
-        if args.debug:
-            traceback.print_exc()
-        else:
-            print(
-                f"error: unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                " (run with --debug for the traceback)",
-                file=sys.stderr,
-            )
-        return 1
+        return _unexpected(args, e)
     return int(result or 0)
+
+
+def _fail(args: argparse.Namespace, line: str, status: int) -> int:
+    if args.debug:
+        traceback.print_exc()
+    print(line, file=sys.stderr)
+    return status
+
+
+def _unexpected(args: argparse.Namespace, e: BaseException) -> int:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return _fail(args, f"error: unexpected {type(e).__name__}: {first} "
+                       "(run with --debug for the traceback)", 1)
+
+
+def _os_error_text(e: OSError) -> str:
+    """`cannot write runs/x: Permission denied` rather than `[Errno 13] ...`."""
+    what = e.strerror or type(e).__name__
+    if e.filename is None:
+        return what
+    where = str(e.filename) + (f" -> {e.filename2}" if e.filename2 else "")
+    return f"{where}: {what}"
+
+
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (`appo ... | head`): stop without a message, and
+    point stdout at /dev/null so the interpreter's final flush does not complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

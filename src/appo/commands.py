@@ -7,6 +7,40 @@ Heavy imports happen inside handlers only.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+
+def _bounded(kind: type, low: float, inclusive: bool, what: str) -> Callable[[str], float]:
+    """An argparse `type=` that parses `kind` and refuses values below `low`, so a bad
+    number is one line naming the option (`argument --max-new-tokens: must be >= 1, got
+    -4`) before any work, not an exception from deep inside the model code."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (value == low and not inclusive) or value != value:  # NaN too
+            bound = f">= {low:g}" if inclusive else f"> {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _bounded(int, 1, True, "an integer")
+nonneg_int = _bounded(int, 0, True, "an integer")
+positive_float = _bounded(float, 0.0, False, "a number")
+nonneg_float = _bounded(float, 0.0, True, "a number")
+
+
+def probability(text: str) -> float:
+    """A nucleus mass for --top-p: in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -33,14 +67,17 @@ def config_from_args(args: argparse.Namespace, extra_overrides: list[str] | None
 
 def _config_show(args: argparse.Namespace) -> int:
     from appo.config import load_config, to_yaml
+    from appo.errors import AppoError
 
-    path = args.file
-    overrides = list(args.overrides)
-    # `appo config show rollout.n=3` — a first "file" argument that is an override.
-    if path is not None and "=" in path:
-        overrides.insert(0, path)
-        path = None
-    print(to_yaml(load_config(path, overrides)), end="")
+    # `appo config show [FILE] key=value ...`: the file is the one item without "=", wherever
+    # it stands (or --config, as for every other command).
+    files = [i for i in args.items if "=" not in i]
+    overrides = [i for i in args.items if "=" in i]
+    if args.config is not None:
+        files.insert(0, args.config)
+    if len(files) > 1:
+        raise AppoError(f"give one config file, got {len(files)}: {', '.join(files)}")
+    print(to_yaml(load_config(files[0] if files else None, overrides)), end="")
     return 0
 
 
@@ -97,8 +134,9 @@ def register(sub) -> None:
     p = sub.add_parser("config", help="show the resolved configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = csub.add_parser("show", help="print the resolved config (defaults <- FILE <- overrides)")
-    show.add_argument("file", nargs="?", help="YAML config file")
-    show.add_argument("overrides", nargs="*", metavar="key=value")
+    show.add_argument("items", nargs="*", metavar="[FILE] key=value",
+                      help="a YAML config file and dotted overrides, in any order")
+    show.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
     show.set_defaults(handler=_config_show)
 
     p = sub.add_parser("models", help="list model aliases and what is cached")
@@ -108,10 +146,10 @@ def register(sub) -> None:
     p.add_argument("prompt", nargs="+", help="the user message")
     p.add_argument("--model", "-m", default="smollm2-135m", help="any appo.models spec")
     p.add_argument("--system", default=None, help="optional system message")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="0 = off")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")

@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from appo.errors import AppoError
+from appo.errors import AppoError, warn_once
 
 __all__ = ["MISSING", "AppoConfig", "load_config", "to_yaml", "CHOICES"]
 
@@ -329,7 +329,36 @@ def _unknown_key_error(key: str, schema: DictConfig) -> AppoError:
     return AppoError(f"unknown config key {key!r}{hint}")
 
 
+def _check_sections(schema: DictConfig, other: Any, where: str, prefix: str = "") -> None:
+    """A section (`rollout`, `actor.optim`) given a value instead of keys: OmegaConf's own
+    merge error for it names no key, so name the section and show the form it takes."""
+    if not isinstance(other, DictConfig):
+        return
+    for key in other.keys():
+        node = schema._get_node(key) if key in schema else None
+        if not isinstance(node, DictConfig) or OmegaConf.is_missing(other, key):
+            continue
+        value = other._get_node(key)
+        full = f"{prefix}{key}"
+        if isinstance(value, DictConfig):
+            if OmegaConf.get_type(node) is not dict:  # a typed section: check inside it
+                _check_sections(node, value, where, full + ".")
+            continue
+        if value._is_none() and OmegaConf.get_type(node) is dict:
+            continue
+        example = next(iter(node.keys()), None)
+        form = f"its keys, e.g. {full}.{example}=..." if example else "a mapping"
+        raise AppoError(f"config key {full!r}{where} is a section, not a value "
+                        f"(got {_short(value._value())}); give {form}")
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _merge(base: DictConfig, other: Any, where: str, tried: list[str] = ()) -> DictConfig:
+    _check_sections(base, other, where)
     try:
         return OmegaConf.merge(base, other)  # type: ignore[return-value]
     except ConfigKeyError as e:
@@ -338,9 +367,11 @@ def _merge(base: DictConfig, other: Any, where: str, tried: list[str] = ()) -> D
         key = next((t for t in tried if t == key or t.startswith(key + ".")), key)
         raise _unknown_key_error(key, base) from None
     except ValidationError as e:
-        raise AppoError(
-            f"bad value for config key {e.full_key!r}{where}: {e.msg.splitlines()[0]}"
-        ) from None
+        # OmegaConf leaves `msg` and `full_key` unset for some merge errors.
+        detail = (e.msg or str(e) or type(e).__name__).splitlines()[0]
+        if not e.full_key:
+            raise AppoError(f"bad config{where}: {detail}") from None
+        raise AppoError(f"bad value for config key {e.full_key!r}{where}: {detail}") from None
     except OmegaConfBaseException as e:
         raise AppoError(f"bad config{where}: {str(e).splitlines()[0]}") from None
 
@@ -373,11 +404,25 @@ def _validate(cfg: DictConfig) -> None:
                 )
     positive = ["rollout.n", "rollout.initial_rollouts", "rollout.beam_size",
                 "rollout.entropy_window", "data.train_batch_size", "data.max_response_length",
-                "actor.ppo_epochs", "actor.ppo_mini_batch_size", "eval.k", "tools.max_workers"]
+                "actor.ppo_epochs", "actor.ppo_mini_batch_size", "eval.k", "tools.max_workers",
+                "data.val_batch_size", "eval.max_response_length", "actor.logprob_chunk_size",
+                "actor.ppo_max_token_len_per_device", "sft.batch_size", "sft.max_length",
+                "sft.gradient_accumulation_steps"]
     for key in positive:
         value = OmegaConf.select(cfg, key)
         if value < 1:
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 1)")
+    # Unset (null) means "derive it": total_steps from the epochs.
+    for key in ["trainer.total_steps", "trainer.total_epochs", "data.max_prompt_length"]:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            hint = ": a run of no steps trains nothing" if key.startswith("trainer.") else ""
+            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 1{hint})")
+    for key in ["rollout.temperature", "eval.temperature"]:
+        value = OmegaConf.select(cfg, key)
+        if value < 0:  # samplers treat any value <= 0 as greedy: a sign slip would hide
+            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 0; "
+                            "0 is greedy)")
     for key in ["rollout.branch_probability", "rollout.top_p", "eval.top_p"]:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:
@@ -389,6 +434,10 @@ def _validate(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator=appo needs rollout.strategy=appo (got "
             f"{cfg.rollout.strategy!r}); use grpo, rloo or reinforce_plus_plus with it"
         )
+    r = cfg.rollout
+    if r.initial_rollouts > r.n and r.strategy != "grpo":  # grpo samples n and ignores it
+        warn_once(f"rollout.initial_rollouts={r.initial_rollouts} is more than rollout.n={r.n}: "
+                  f"clamped to {r.n}, which leaves {r.strategy} no budget to branch")
     for name, inst in cfg.tools.tool_instances.items():
         if OmegaConf.is_missing(inst, "class_path"):
             raise AppoError(f"config key 'tools.tool_instances.{name}.class_path' is not set")
@@ -407,6 +456,25 @@ def enabled_tool_names(tools_cfg: Any) -> list[str]:
     return names if enabled is None else [n for n in names if n in set(enabled)]
 
 
+def _load_yaml(path: Path) -> Any:
+    """OmegaConf.load with errors as `FILE:LINE:COL: problem`, the place an editor jumps to."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(filter(None, [e.context, e.problem])) or type(e).__name__
+        raise AppoError(f"{where}: cannot parse config file: {what}") from None
+    except UnicodeDecodeError as e:
+        raise AppoError(f"{path}: cannot parse config file: not UTF-8 text (byte "
+                        f"0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except Exception as e:  # noqa: BLE001 - other yaml / OmegaConf errors come in several types
+        first = (str(e) or type(e).__name__).splitlines()[0]
+        raise AppoError(f"{path}: cannot parse config file: {first}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AppoConfig:
     """Defaults <- YAML file (optional) <- dotted overrides; validated; returned as AppoConfig.
 
@@ -418,10 +486,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise AppoError(f"config file not found: {path}")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as e:  # yaml errors come in several types
-            raise AppoError(f"cannot parse config file {path}: {str(e).splitlines()[0]}") from None
+        loaded = _load_yaml(path)
         if isinstance(loaded, ListConfig):
             raise AppoError(f"config file {path} must hold a mapping, not a list")
         cfg = _merge(cfg, loaded, f" (in {path})")

@@ -67,7 +67,7 @@ def test_bad_files_give_clear_errors(tmp_path):
         SearchCache(tmp_path / "cache.json")
     garbage = tmp_path / "garbage.sqlite"
     garbage.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(AppoError, match="cannot open search cache"):
+    with pytest.raises(AppoError, match="garbage.sqlite is damaged .*delete it"):
         SearchCache(garbage)
     cache = SearchCache(tmp_path / "ok.sqlite")
     bad = tmp_path / "bad.json"

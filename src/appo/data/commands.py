@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from appo.commands import nonneg_int, positive_int
+
 
 def register(sub) -> None:
     p = sub.add_parser("data", help="generate synthetic tasks, inspect data files")
@@ -22,7 +24,7 @@ def register(sub) -> None:
 
     s = data_sub.add_parser("synth", help="write a synthetic task (arith | lookup) to a file")
     s.add_argument("task", choices=["arith", "lookup"])
-    s.add_argument("--n", type=int, default=None, help="number of items (default per split)")
+    s.add_argument("--n", type=positive_int, default=None, help="number of items (default per split)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--split", choices=["train", "eval", "sft"], default="train")
     s.add_argument("--levels", help="arith levels, e.g. 2,3,4 (default 1,2,3,4)")
@@ -40,7 +42,7 @@ def register(sub) -> None:
     i.add_argument("--template", default=None, help="prompt template (default by data)")
     i.add_argument("--tools", default=None, help="comma-separated tool tags (default: template's)")
     i.add_argument("--sft", action="store_true", help="treat the data as SFT conversations")
-    i.add_argument("--index", type=int, default=0, help="which example to render")
+    i.add_argument("--index", type=nonneg_int, default=0, help="which example to render")
     i.set_defaults(handler=_inspect)
 
 

@@ -57,6 +57,8 @@ def _check_messages(value: Any, where: str, key: str) -> list[Message]:
                 f"{where}: {key}[{i}] must be {{'role': one of {'/'.join(ROLES)}, 'content': str}}, "
                 f"got {str(m)[:80]!r}"
             )
+        if m["role"] == "user" and not m["content"].strip():
+            raise AppoError(f"{where}: {key}[{i}] is an empty user message (an empty prompt)")
         messages.append({"role": m["role"], "content": repair_latex_escapes(m["content"])})
     return messages
 
@@ -118,7 +120,7 @@ def row_to_example(
             prompt[0] = {"role": "system", "content": render_system_prompt(template, tools)}
     else:
         if isinstance(prompt_value, str):
-            question = prompt_value
+            question, column = prompt_value, prompt_key
         else:
             key = next((k for k in QUESTION_KEYS if isinstance(row.get(k), str)), None)
             if key is None:
@@ -132,8 +134,11 @@ def row_to_example(
                     f"{where}: no prompt column: expected {prompt_key!r} (chat list or string), "
                     f"'question' or 'problem'; columns are {', '.join(sorted(row))}"
                 )
-            question = row[key]
+            question, column = row[key], key
             used.add(key)
+        if not question.strip():
+            # The model would be asked nothing and still be rewarded against the answer.
+            raise AppoError(f"{where}: empty prompt (column {column!r})")
         question = repair_latex_escapes(question)
         prompt = build_messages(question, template, tools)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
-from appo.jsonl import iter_objects
+from appo.jsonl import iter_objects, read_text
 
 FILE_OPTIONS = ("n", "data_source", "ability", "split")
 ROW_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -88,7 +88,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise AppoError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):

@@ -13,7 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from appo.commands import add_config_args, config_from_args
+from appo.commands import (
+    add_config_args,
+    config_from_args,
+    nonneg_int,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_VIEW_MODEL = "smollm2-135m"
 
@@ -64,6 +70,9 @@ def _eval(args: argparse.Namespace) -> int:
         raise AppoError(f"--limit must be >= 1, got {args.limit}")
     if args.logprobs < 0:
         raise AppoError(f"--logprobs must be >= 0, got {args.logprobs}")
+    from appo.paths import check_output_dir
+
+    check_output_dir(cfg.eval.out_dir, "eval.out_dir, --out")
 
     from appo.eval.runner import Evaluator, Grader, eval_settings, load_benchmarks
     from appo.rewards.router import RewardRouter, router_from_config
@@ -165,8 +174,8 @@ def register(sub) -> None:
     p.add_argument("--data", "-d", action="append", metavar="NAME=SPEC",
                    help="a benchmark: JSONL/parquet file or synth:TASK?... (repeatable; "
                    "default: data.val_files)")
-    p.add_argument("--k", type=int, default=None, help="samples per question (eval.k)")
-    p.add_argument("--limit", type=int, default=None, help="first N questions per benchmark")
+    p.add_argument("--k", type=positive_int, default=None, help="samples per question (eval.k)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N questions per benchmark")
     p.add_argument("--out", "-o", default=None, help="output directory (eval.out_dir)")
     p.add_argument("--base-url", default=None,
                    help="OpenAI-compatible server (e.g. vLLM) instead of the local engine")
@@ -174,21 +183,21 @@ def register(sub) -> None:
                    help="the model name the server expects (default: its first listed model)")
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="send prompts to the server as token ids (exact) or as text")
-    p.add_argument("--concurrency", type=int, default=32, help="parallel requests to the server")
-    p.add_argument("--logprobs", type=int, default=0, metavar="N",
+    p.add_argument("--concurrency", type=positive_int, default=32, help="parallel requests to the server")
+    p.add_argument("--logprobs", type=nonneg_int, default=0, metavar="N",
                    help="with --base-url: ask the server for the sampled tokens' log-probs "
                    "and the top N (recorded in the trajectories; 0: not asked, recorded as 0)")
     p.add_argument("--no-token-ids", action="store_true",
                    help="with --base-url: do not ask for the sampled token ids (vLLM's "
                    "return_token_ids), for servers that reject unknown fields; the returned "
                    "text is then tokenised locally")
-    p.add_argument("--request-timeout", type=float, default=300.0,
+    p.add_argument("--request-timeout", type=positive_float, default=300.0,
                    help="seconds per HTTP request (server and judge)")
     p.add_argument("--judge-base-url", default=None, help="OpenAI-compatible judge server")
     p.add_argument("--judge-model", default=None, help="judge model name (eval.judge_model)")
     p.add_argument("--judge-cache", default=None,
                    help="judge verdict cache (SQLite; default $APPO_CACHE/judge/cache.sqlite)")
-    p.add_argument("--batch-size", type=int, default=64,
+    p.add_argument("--batch-size", type=positive_int, default=64,
                    help="samples generated together (one batched rollout each)")
     p.add_argument("--no-tools", action="store_true", help="no tools (stop at EOS only)")
     p.add_argument("--seed", type=int, default=None, help="rollout.seed")
@@ -206,6 +215,6 @@ def register(sub) -> None:
     p.add_argument("--output", "-o", default="report.html", help="HTML file to write")
     p.add_argument("--model", "-m", default=None,
                    help="tokenizer for dumps without token text (default: smollm2-135m)")
-    p.add_argument("--max-prompts", type=int, default=None, help="show the first N prompts")
+    p.add_argument("--max-prompts", type=positive_int, default=None, help="show the first N prompts")
     p.add_argument("--title", default=None, help="page title")
     p.set_defaults(handler=_view)

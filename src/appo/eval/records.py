@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
+from appo.jsonl import read_text
 
 
 @dataclass
@@ -75,7 +76,7 @@ def read_samples(path: str | Path) -> list[SampleRecord]:
     path = Path(path)
     if not path.is_file():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_text(path, hint="move the file away to start over").splitlines()
     out = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():

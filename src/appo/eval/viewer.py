@@ -25,6 +25,7 @@ from pathlib import Path
 
 from appo.errors import AppoError
 from appo.eval.tokens import token_texts
+from appo.jsonl import iter_lines
 from appo.rollout.records import Trajectory
 
 SHADE_RGB = (235, 110, 20)
@@ -59,22 +60,21 @@ def load_trajectories(paths: Sequence[str | Path]) -> list[Trajectory]:
     known = {f.name for f in fields(Trajectory)}
     out: list[Trajectory] = []
     for path in _expand(paths):
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                    if not isinstance(data, dict) or "traj_id" not in data:
-                        raise TypeError("no traj_id")
-                    unknown = {k: data.pop(k) for k in list(data) if k not in known}
-                    traj = Trajectory.from_dict(data)
-                    traj.extra.update(unknown)
-                except (json.JSONDecodeError, TypeError, AppoError) as e:
-                    raise AppoError(f"{path}:{lineno}: not a trajectory record ({e}); "
-                                    "appo view reads rollout dumps (JSONL of trajectories)"
-                                    ) from None
-                out.append(traj)
+        for lineno, line in iter_lines(path):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict) or "traj_id" not in data:
+                    raise TypeError("no traj_id")
+                unknown = {k: data.pop(k) for k in list(data) if k not in known}
+                traj = Trajectory.from_dict(data)
+                traj.extra.update(unknown)
+            except (json.JSONDecodeError, TypeError, AppoError) as e:
+                raise AppoError(f"{path}:{lineno}: not a trajectory record ({e}); "
+                                "appo view reads rollout dumps (JSONL of trajectories)"
+                                ) from None
+            out.append(traj)
     if not out:
         raise AppoError(f"no trajectories in {', '.join(map(str, paths))}")
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from appo.commands import add_config_args, config_from_args, split_overrides
+from appo.commands import add_config_args, config_from_args, positive_int, split_overrides
 
 
 def _prompt_ids(lm, question: str, cfg, tags: list[str]) -> list[int]:
@@ -98,6 +98,6 @@ def register(sub) -> None:
     p.add_argument("--out", "-o", metavar="FILE", help="write the trajectories as JSONL")
     p.add_argument("--seed", type=int, default=None, help="rollout.seed")
     p.add_argument("--no-tools", action="store_true", help="no tools: stop at EOS only")
-    p.add_argument("--width", type=int, default=72, help="text width of the tree")
+    p.add_argument("--width", type=positive_int, default=72, help="text width of the tree")
     add_config_args(p)
     p.set_defaults(handler=_rollout)

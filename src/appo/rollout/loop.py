@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from appo.errors import AppoError
+from appo.errors import AppoError, ToolFatalError
 from appo.rollout.engine import Engine, SegmentOutput
 from appo.rollout.records import (
     BranchEvent,
@@ -304,7 +304,9 @@ class ToolLoop:
         t0 = time.perf_counter()
         try:
             results = list(self.tools.execute_many(calls))
-        except Exception as e:  # noqa: BLE001 - the executor promises not to raise; be safe
+        except ToolFatalError:
+            raise  # a tool that cannot work at all (appo.errors): stop, do not feed the model
+        except Exception as e:  # noqa: BLE001 - the executor raises nothing else; be safe
             results = [ToolResult(f"Error: tool execution failed ({type(e).__name__}: {e}).",
                                   ok=False, error_kind="infra") for _ in calls]
         if len(results) != len(calls):

@@ -266,12 +266,13 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
     if not path.is_file():
         raise AppoError(f"trajectory file not found: {path}")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(Trajectory.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, TypeError, AppoError) as e:
-                raise AppoError(f"{path}:{lineno}: not a trajectory record ({e})") from None
+    from appo.jsonl import iter_lines
+
+    for lineno, line in iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            out.append(Trajectory.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, TypeError, AppoError) as e:
+            raise AppoError(f"{path}:{lineno}: not a trajectory record ({e})") from None
     return out

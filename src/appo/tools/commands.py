@@ -10,6 +10,7 @@ import json
 import sys
 import time
 
+from appo.commands import positive_float, positive_int
 from appo.errors import AppoError
 
 
@@ -33,8 +34,8 @@ def register(sub) -> None:
     p.add_argument("--replay-file", default=None)
     p.add_argument("--url", default=None)
     p.add_argument("--zone", default=None)
-    p.add_argument("--max-results", type=int, default=None)
-    p.add_argument("--result-length", type=int, default=None)
+    p.add_argument("--max-results", type=positive_int, default=None)
+    p.add_argument("--result-length", type=positive_int, default=None)
     p.add_argument("--cache-file", default=None)
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--miss-policy", default=None, help="live | fail")
@@ -53,9 +54,9 @@ def register(sub) -> None:
                        help="backend the entries belong to (import default: brightdata, the "
                             "original's)")
         if action == "import":
-            p.add_argument("--max-results", type=int, default=10,
+            p.add_argument("--max-results", type=positive_int, default=10,
                            help="max_results the entries were recorded with (key part)")
-            p.add_argument("--result-length", type=int, default=1000,
+            p.add_argument("--result-length", type=positive_int, default=1000,
                            help="result_length the entries were recorded with (key part)")
             p.add_argument("--overwrite", action="store_true",
                            help="replace entries that already exist")
@@ -70,8 +71,8 @@ def register(sub) -> None:
     p = tsub.add_parser("python", help="run code in the sandbox; print what the model would "
                                        "see inside <result>")
     p.add_argument("code", help="Python code, or - to read it from stdin")
-    p.add_argument("--timeout", type=float, default=10.0)
-    p.add_argument("--memory-mb", type=int, default=1024)
+    p.add_argument("--timeout", type=positive_float, default=10.0)
+    p.add_argument("--memory-mb", type=positive_int, default=1024)
     p.add_argument("--isolation", default="auto", help="auto | rlimits")
     p.add_argument("--verbose", action="store_true",
                    help="also print status, latency and active isolation layers to stderr")

@@ -7,6 +7,9 @@ only when the tool reports an infrastructure failure (`error_kind="infra"`: a de
 HTTP 5xx, a refused connection) or raises; whatever the model wrote is run once. A timeout is
 retried only for tools that declare `retry_timeouts = True` (search: a server that did not
 answer may answer the next time); a program that ran out of time would do so again.
+
+A tool's exception becomes an error result the model sees, except `ToolFatalError` (a tool
+that cannot work at all, such as a damaged search cache), which is raised to the caller.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from appo.errors import ToolFatalError
 from appo.tools.base import Tool, ToolResult
 
 log = logging.getLogger(__name__)
@@ -86,7 +90,8 @@ class _StatsAccumulator:
 
 
 class ToolExecutor:
-    """Runs tool calls concurrently; `execute_many` never raises and keeps the call order."""
+    """Runs tool calls concurrently; `execute_many` keeps the call order and raises only
+    `ToolFatalError` (a tool that cannot work at all)."""
 
     def __init__(
         self,
@@ -166,12 +171,20 @@ class ToolExecutor:
             return self._call(tool, content)
         # A tool that does not bound its own run time gets a watchdog thread; on timeout the
         # thread is abandoned (Python cannot kill it) and the call reports a timeout.
-        box: list[ToolResult] = []
-        worker = threading.Thread(target=lambda: box.append(self._call(tool, content)),
-                                  daemon=True, name=f"appo-tool-{tool.name}")
+        box: list[ToolResult | ToolFatalError] = []
+
+        def work() -> None:
+            try:
+                box.append(self._call(tool, content))
+            except ToolFatalError as e:  # handed to the caller's thread
+                box.append(e)
+
+        worker = threading.Thread(target=work, daemon=True, name=f"appo-tool-{tool.name}")
         worker.start()
         worker.join(self.timeout)
         if box:
+            if isinstance(box[0], ToolFatalError):
+                raise box[0]
             return box[0]
         log.warning("tool %s did not return within %.1f s; abandoning the call", tool.name,
                     self.timeout)
@@ -182,6 +195,8 @@ class ToolExecutor:
     def _call(tool: Tool, content: str) -> ToolResult:
         try:
             result = tool.execute(content)
+        except ToolFatalError:
+            raise  # the run must stop: every later call would fail the same way
         except Exception as e:  # noqa: BLE001 - a tool bug must not kill the rollout
             log.exception("tool %s raised", tool.name)
             return ToolResult(f"Error: the {tool.name} tool failed ({type(e).__name__}: {e}).",

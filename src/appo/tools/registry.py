@@ -20,7 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from appo.errors import AppoError
+from appo.errors import AppoError, ToolFatalError
 from appo.tools.base import Tool
 from appo.tools.executor import ToolExecutor
 
@@ -147,6 +147,8 @@ def build_tools(tools_cfg: Any) -> ToolExecutor:
             tool = build_tool(class_path, _get(inst, "params") or {}, name=name,
                               defaults={"timeout": timeout})
         except Exception as e:
+            if isinstance(e, ToolFatalError):
+                raise  # broken local state (a damaged cache file), not a service that is down
             if fail_on_error:
                 if isinstance(e, AppoError):
                     raise

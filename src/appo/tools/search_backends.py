@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from appo.errors import AppoError
-from appo.jsonl import iter_objects
+from appo.jsonl import iter_lines, iter_objects
 
 log = logging.getLogger(__name__)
 
@@ -295,14 +295,13 @@ def load_recorded(path: str | os.PathLike) -> dict[str, str]:
         raise AppoError(f"replay file not found: {path}")
     if path.suffix == ".jsonl":
         out = {}
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                        out[row["query"]] = row.get("result", row.get("text"))
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise AppoError(f"{path}:{lineno}: expected {{query, result}}") from None
+        for lineno, line in iter_lines(path):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                    out[row["query"]] = row.get("result", row.get("text"))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise AppoError(f"{path}:{lineno}: expected {{query, result}}") from None
         return out
     from appo.tools.search_cache import load_original_json
 

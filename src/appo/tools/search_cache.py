@@ -10,6 +10,12 @@ block writers. The first result stored for a key is kept (`INSERT OR IGNORE`), s
 returns what the run first saw. Import and export speak the original JSON format.
 
 Do not put the file on a network filesystem (NFS): SQLite's WAL needs local shared memory.
+
+A damaged file (a disk error, a copy cut short) is a `ToolFatalError` naming the file: at
+open (`PRAGMA quick_check` reads every page once, about a second per GB) and at any later
+read or write. It is not rebuilt or bypassed, because with `miss_policy: fail` the cache *is*
+the run's search data: a silently fresh cache would turn every search into an error text
+the model trains on. Delete the file (or restore a copy) to go on.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import sqlite3
 import threading
 import time
 import unicodedata
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from appo.errors import AppoError
+from appo.errors import AppoError, ToolFatalError
+from appo.jsonl import read_text
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS search_cache (
@@ -80,7 +88,27 @@ class SearchCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
         self._local = threading.local()
-        self._connect()  # create the schema now, and fail early on a bad file
+        with self._guard():  # create the schema now, and fail early on a bad file
+            verdict = self._connect().execute("PRAGMA quick_check(1)").fetchone()[0]
+        if verdict != "ok":
+            raise self._damaged(verdict)
+
+    def _damaged(self, detail: object) -> ToolFatalError:
+        # quick_check reports "*** in database main ***\nPage 2: ..."; keep the page part
+        what = " ".join(str(detail).replace("*** in database main ***", "").split())
+        return ToolFatalError(f"search cache {self.path} is damaged ({what}); delete it to "
+                              "start a fresh cache, or restore it from a copy")
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """SQLite's errors on a damaged file as one `ToolFatalError` naming the file."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)):
+                raise ToolFatalError(f"search cache {self.path}: still locked by another "
+                                     f"process after {self.busy_timeout_s:.0f} s") from None
+            raise self._damaged(e) from None
 
     def _connect(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -99,11 +127,11 @@ class SearchCache:
                 locked = isinstance(e, sqlite3.OperationalError) and (
                     "locked" in str(e) or "busy" in str(e))
                 if not locked:
-                    raise AppoError(f"cannot open search cache {self.path}: {e} "
-                                    "(delete the file to start a fresh cache)") from None
+                    raise self._damaged(e) from None
                 if time.monotonic() > deadline:
-                    raise AppoError(f"cannot open search cache {self.path}: still locked by "
-                                    f"another process after {self.busy_timeout_s:.0f} s") from None
+                    raise ToolFatalError(f"cannot open search cache {self.path}: still locked "
+                                         f"by another process after {self.busy_timeout_s:.0f} s"
+                                         ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
         self._local.conn, self._local.pid = conn, os.getpid()
@@ -127,19 +155,21 @@ class SearchCache:
     # -- single entries -------------------------------------------------------------------
 
     def get(self, backend: str, params: Mapping | None, query: str) -> str | None:
-        row = self._connect().execute(
-            "SELECT result FROM search_cache WHERE backend=? AND params=? AND query_key=?",
-            (backend, canonical_params(params), normalise_query(query)),
-        ).fetchone()
+        with self._guard():
+            row = self._connect().execute(
+                "SELECT result FROM search_cache WHERE backend=? AND params=? AND query_key=?",
+                (backend, canonical_params(params), normalise_query(query)),
+            ).fetchone()
         return row[0] if row else None
 
     def put(self, backend: str, params: Mapping | None, query: str, result: str) -> bool:
         """Store a result unless the key already has one. Returns True if it was stored."""
-        cur = self._connect().execute(
-            "INSERT OR IGNORE INTO search_cache VALUES (?, ?, ?, ?, ?, ?)",
-            (backend, canonical_params(params), normalise_query(query), query, result,
-             time.time()),
-        )
+        with self._guard():
+            cur = self._connect().execute(
+                "INSERT OR IGNORE INTO search_cache VALUES (?, ?, ?, ?, ?, ?)",
+                (backend, canonical_params(params), normalise_query(query), query, result,
+                 time.time()),
+            )
         return cur.rowcount == 1
 
     # -- bulk ---------------------------------------------------------------------------
@@ -150,16 +180,18 @@ class SearchCache:
         verb = "INSERT OR REPLACE" if overwrite else "INSERT OR IGNORE"
         p, now = canonical_params(params), time.time()
         rows = [(backend, p, normalise_query(q), q, r, now) for q, r in items]
-        conn = self._connect()
-        before = conn.total_changes
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            conn.executemany(f"{verb} INTO search_cache VALUES (?, ?, ?, ?, ?, ?)", rows)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        return conn.total_changes - before
+        with self._guard():
+            conn = self._connect()
+            before = conn.total_changes
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(f"{verb} INTO search_cache VALUES (?, ?, ?, ?, ?, ?)", rows)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            return conn.total_changes - before
 
     def import_json(self, path: str | os.PathLike, backend: str = ORIGINAL_BACKEND,
                     params: Mapping | None = None, overwrite: bool = False) -> tuple[int, int]:
@@ -191,18 +223,20 @@ class SearchCache:
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at, query"
-        return {q: r for q, r in self._connect().execute(sql, args)}
+        with self._guard():
+            return {q: r for q, r in self._connect().execute(sql, args)}
 
     def stats(self) -> CacheStats:
-        conn = self._connect()
-        by_backend = dict(conn.execute(
-            "SELECT backend, COUNT(*) FROM search_cache GROUP BY backend ORDER BY backend"))
+        with self._guard():
+            by_backend = dict(self._connect().execute(
+                "SELECT backend, COUNT(*) FROM search_cache GROUP BY backend ORDER BY backend"))
         size = sum(p.stat().st_size for p in self.path.parent.glob(self.path.name + "*")
                    if p.is_file())
         return CacheStats(str(self.path), sum(by_backend.values()), by_backend, size)
 
     def __len__(self) -> int:
-        return self._connect().execute("SELECT COUNT(*) FROM search_cache").fetchone()[0]
+        with self._guard():
+            return self._connect().execute("SELECT COUNT(*) FROM search_cache").fetchone()[0]
 
     def integrity_check(self) -> str:
         return self._connect().execute("PRAGMA integrity_check").fetchone()[0]
@@ -220,8 +254,8 @@ def load_original_json(path: str | os.PathLike) -> dict[str, str]:
     if not path.is_file():
         raise AppoError(f"search cache file not found: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
         raise AppoError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in data.items()):

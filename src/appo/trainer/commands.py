@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from appo.commands import add_config_args, config_from_args, split_overrides
+from appo.paths import check_output_dir
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -17,6 +18,8 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
+    if cfg.sft.output_dir:  # a file in the way or a read-only disk: one line, now
+        check_output_dir(cfg.sft.output_dir, "sft.output_dir")
     # Before anything is loaded: a new SFT run never writes into an old run's directory.
     cfg.sft.output_dir = str(prepare_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
                                              overwrite=cfg.trainer.overwrite, resumable=False))
@@ -50,13 +53,20 @@ def _demo(args: argparse.Namespace) -> int:
         print(demo_yaml(), end="")
         return 0
     overrides, _ = split_overrides(list(args.overrides or []))
-    return run_demo(demo_config(args.config, overrides))
+    cfg = demo_config(args.config, overrides)
+    if cfg.trainer.default_local_dir:  # null: a new unique directory (appo.trainer.rundir)
+        check_output_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    return run_demo(cfg)
 
 
 def _train(args: argparse.Namespace) -> int:
     from appo.trainer.loop import RLTrainer
 
     cfg = config_from_args(args)
+    if cfg.trainer.default_local_dir:  # null: a new unique directory (appo.trainer.rundir)
+        check_output_dir(cfg.trainer.default_local_dir, "trainer.default_local_dir")
+    if cfg.trainer.rollout_data_dir:
+        check_output_dir(cfg.trainer.rollout_data_dir, "trainer.rollout_data_dir")
     trainer = RLTrainer(cfg)
     history = trainer.fit()
     if trainer.dp.is_main:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from appo.algos import AdvantageParams
-from appo.errors import AppoError
+from appo.errors import AppoError, warn_once
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
@@ -312,8 +312,10 @@ class RLTrainer:
         self.tools = build_tools(cfg.tools)
         train = rl_data_from_config(cfg, "train", self.tokenizer)
         self.train_data = train.examples
-        self.val_data = (rl_data_from_config(cfg, "val", self.tokenizer).examples
-                         if cfg.data.val_files else [])
+        val = rl_data_from_config(cfg, "val", self.tokenizer) if cfg.data.val_files else None
+        self.val_data = val.examples if val is not None else []
+        for key, data in (("data.train_files", train), ("data.val_files", val)):
+            _report_overlong(key, data, cfg.data.max_prompt_length)
         if not self.train_data:
             why = (f": all {train.stats.rows} prompts are longer than data.max_prompt_length="
                    f"{cfg.data.max_prompt_length} (longest {train.stats.longest} tokens)"
@@ -391,3 +393,13 @@ class RLTrainer:
         if o.lr_scheduler == "cosine":
             return get_cosine_schedule_with_warmup(self.optimizer, warmup, total)
         return get_constant_schedule_with_warmup(self.optimizer, warmup)
+
+
+def _report_overlong(key: str, data: Any, limit: int) -> None:
+    """Prompts dropped for length change what a run trains on: say how many, and why."""
+    skipped = data.stats.skipped_overlong if data is not None else 0
+    if not skipped or (skipped == data.stats.rows and key == "data.train_files"):
+        return  # nothing dropped, or no training data at all: an error says so
+    warn_once(f"{key}: skipped {skipped} of {data.stats.rows} prompts longer "
+              f"than data.max_prompt_length={limit} tokens (longest {data.stats.longest}); raise "
+              "it to keep them, or set data.overlong=fail to stop instead")
