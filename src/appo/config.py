@@ -16,294 +16,33 @@ a bad value names the key and the value, and names that select a registered func
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from appo.config_schema import (  # noqa: F401  (re-exported: appo.config is the one import)
+    CHOICES,
+    LIST_CHOICES,
+    MISSING,
+    ActorConfig,
+    AlgorithmConfig,
+    AppoConfig,
+    CustomRewardConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    SFTConfig,
+    ToolInstanceConfig,
+    ToolsConfig,
+    TrainerConfig,
+)
 from appo.errors import AppoError, warn_once
 
 __all__ = ["MISSING", "AppoConfig", "load_config", "to_yaml", "CHOICES"]
-
-
-@dataclass
-class ModelConfig:
-    # Any appo.models spec: an alias (smollm2-135m, tiny-test), a local HF directory,
-    # a .gguf file, or a hub id already in the local Hugging Face cache.
-    path: str = "smollm2-135m"
-    dtype: str = "float32"
-    device: str = "auto"
-    enable_gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-
-
-@dataclass
-class DataConfig:
-    # Files (parquet / jsonl / HF datasets dir) or a synthetic task spec such as
-    # "synth:arith?levels=2,3&n=512" (see appo.data).
-    train_files: list[str] = field(default_factory=lambda: ["synth:arith"])
-    val_files: list[str] = field(default_factory=lambda: ["synth:arith?split=eval"])
-    prompt_key: str = "prompt"
-    template: str = "math"
-    # Append APPO's paragraph asking the model to mark its reasoning stages with
-    # <|extra_0|>...<|extra_1|> to every system prompt, as the original APPO rollout did
-    # (appo.data.templates.APPO_STAGE_PROMPT); the published APPO configs turn it on.
-    appo_stage_prompt: bool = False
-    train_batch_size: int = 4
-    val_batch_size: int = 16
-    max_prompt_length: int = 512
-    max_response_length: int = 384
-    overlong: str = "skip"
-    shuffle: bool = True
-    seed: int = 42
-
-
-@dataclass
-class RolloutConfig:
-    name: str = "hf"
-    strategy: str = "arpo"
-    n: int = 16  # the ARPO paper (docs/algorithms.md §2.2); the CPU demo uses 8
-    initial_rollouts: int = 8
-    beam_size: int = 2
-    branch_probability: float = 0.5
-    entropy_weight: float = 0.2
-    entropy_window: int = 20
-    # The original's measure (top-10 proxy summed over the window / ln|V|): the scale
-    # entropy_weight and AEPO's beta were tuned on (docs/algorithms.md arpo.2); `mean`:
-    # mean full-vocabulary token entropy.
-    entropy_measure: str = "seed_topk_sum"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    result_template: str = " <result>\n{text}\n</result>"
-    on_limit: str = "notify"
-    # aepo
-    # Entropy pre-monitoring and m = f(H_root - H_tool) initial rows (aepo.1-2). Off: fixed
-    # initial_rollouts with the AEPO branch rule and penalty, as both released AEPO scripts ran.
-    enable_dynamic_rollouts: bool = True
-    initial_entropy_tokens: int = 50
-    beta: float = 0.5
-    branch_penalty: float = 0.05
-    reuse_premonitor: bool = False
-    # appo
-    appo_gamma: float = 1.0
-    future_value_clip: float = 0.2
-    # Branch points: the original excludes whitespace-only tokens; true also excludes
-    # punctuation-only ones (appo's option, docs/algorithms.md appo.3).
-    appo_skip_punctuation: bool = False
-    # A row whose |logp_current - logp_rollout| all stay within this is on-policy up to
-    # recompute noise (FV = 1): appo ranks its branch points by entropy. null: by the
-    # scoring model's dtype (float32 1e-3, float16 0.25, bfloat16 2.0: measured recompute
-    # noise times 5-25; appo.rollout.scoring.LR_NOISE_TOL).
-    lr_noise_tol: float | None = None
-    # vllm engine
-    gpu_memory_utilization: float = 0.7
-    # KV cache size in GiB (vLLM's kv_cache_memory_bytes); null: 2 on CPU (vLLM would
-    # otherwise reserve most of the RAM), gpu_memory_utilization decides on GPUs
-    kv_cache_gib: float | None = None
-    # openai engine (server mode): the servers' base URLs (e.g. vllm serve processes), rows
-    # spread over them by prompt group; after each update the policy is saved to
-    # weights_dir (null: <trainer.default_local_dir>/rollout_weights), which every server
-    # must be able to read, and each server reloads it (vLLM dev mode)
-    base_urls: list[str] = field(default_factory=list)
-    weights_dir: str | None = None
-    tensor_model_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    seed: int = 0
-
-
-@dataclass
-class ToolInstanceConfig:
-    class_path: str = MISSING
-    params: dict[str, Any] = field(default_factory=dict)
-
-
-def _default_tools() -> dict[str, ToolInstanceConfig]:
-    return {"python": ToolInstanceConfig(class_path="appo.tools.python_tool.PythonTool")}
-
-
-@dataclass
-class ToolsConfig:
-    call_limit: int = 3
-    max_workers: int = 8
-    timeout: float = 30.0
-    retry_count: int = 1
-    fail_on_error: bool = False
-    verbose_logging: bool = False
-    tool_instances: dict[str, ToolInstanceConfig] = field(default_factory=_default_tools)
-    # Which tool_instances a run uses (None = all of them; [] = no tools at all).
-    enabled: list[str] | None = None
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    appo_discount_credit: bool = False
-    # APPO branch-credit discount (with appo_discount_credit); the original reads it here.
-    reward_scale_discount: float = 0.9
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps_ratio: float = 0.0
-    lr_scheduler: str = "constant"
-
-
-@dataclass
-class ActorConfig:
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    # AEPO
-    entropy_balanced_advantage: bool = False
-    entropy_advantage_alpha: float = 0.2
-    entropy_clip_scope: str = "all"
-    # APPO / FIPO future-KL loss
-    future_kl_decay_rate: float = 64.0
-    future_kl_clip_high: float = 1.2
-    future_kl_clip_high_only: bool = True
-    future_kl_safety_thresh: float = 6.0
-    future_kl_coef: float = 1.0
-    # The original's sequence filter: a response with more than one dual-clip hit (A < 0 and
-    # the clipped loss above -A c) leaves the loss and its normaliser (docs/algorithms.md §4.3).
-    future_kl_seq_filter: bool = True
-    # Update schedule
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 16
-    ppo_max_token_len_per_device: int = 4096
-    logprob_chunk_size: int = 128
-    # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
-    # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
-    share_prefix_forward: bool = True
-    # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
-    # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
-    freeze_embeddings: bool = False
-    grad_clip: float = 1.0
-    # With model.dtype bfloat16: keep the trained weights and AdamW states in float32 and
-    # run the training forwards in bfloat16 (autocast), as verl's FSDP actor does; the
-    # rollout engine (vllm) still runs in bfloat16. False: train the bfloat16 weights in
-    # place (small updates such as lr 1e-6 steps then mostly round away).
-    fp32_master_weights: bool = True
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-
-@dataclass
-class TrainerConfig:
-    total_epochs: int = 1
-    total_steps: int | None = None
-    save_freq: int = -1
-    test_freq: int = -1
-    val_before_train: bool = False
-    # The run directory (checkpoints, metrics.jsonl). null: a new runs/appo-YYYYmmdd-HHMMSS
-    # per run. A new run refuses a non-empty directory unless overwrite=true (which deletes
-    # the old run there); resume=true continues the run in it (appo.trainer.rundir).
-    default_local_dir: str | None = None
-    rollout_data_dir: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
-    # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
-    parallel: str = "auto"
-    project_name: str = "appo"
-    experiment_name: str = "default"
-    seed: int = 42
-
-
-@dataclass
-class SFTConfig:
-    train_files: list[str] = field(default_factory=lambda: ["synth:arith?split=sft"])
-    val_files: list[str] = field(default_factory=list)
-    max_length: int = 1024
-    mask_tool_results: bool = True
-    epochs: int = 1
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    grad_clip: float = 1.0
-    save_freq: int = -1
-    max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
-    output_dir: str | None = None  # null: a new runs/sft-YYYYmmdd-HHMMSS (as trainer.*)
-
-
-@dataclass
-class EvalConfig:
-    # The original evaluation's sampling defaults (docs/algorithms.md §8.1).
-    k: int = 1
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    repetition_penalty: float = 1.1
-    max_response_length: int = 1024
-    tool_call_limits: dict[str, int] = field(default_factory=lambda: {"python": 5, "search": 10})
-    base_url: str | None = None
-    judge_base_url: str | None = None
-    judge_model: str | None = None
-    out_dir: str = "runs/eval"
-
-
-@dataclass
-class CustomRewardConfig:
-    path: str | None = None
-    name: str = "compute_score"
-
-
-@dataclass
-class AppoConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    tools: ToolsConfig = field(default_factory=ToolsConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-
-
-# Keys whose value selects a registered implementation. Kept here as plain tuples so that
-# loading a config never imports torch; tests assert they equal the real registries.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16", "auto"),
-    "model.device": ("auto", "cpu", "cuda"),
-    "data.template": ("code_search", "math", "search"),
-    "data.overlong": ("skip", "fail"),
-    "rollout.name": ("hf", "vllm", "openai"),
-    "trainer.parallel": ("auto", "ddp", "fsdp"),
-    "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
-    "rollout.entropy_measure": ("mean", "seed_topk_sum"),
-    "rollout.on_limit": ("stop", "notify"),
-    "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo"),
-    "actor.policy_loss": ("vanilla", "entropy_balanced", "future_kl"),
-    "actor.loss_agg_mode": (
-        "token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-    ),
-    "actor.kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
-    "actor.entropy_clip_scope": ("all", "high_entropy"),
-    "actor.optim.lr_scheduler": ("constant", "cosine"),
-}
-LIST_CHOICES: dict[str, tuple[str, ...]] = {
-    "trainer.logger": ("console", "jsonl", "tensorboard", "wandb"),
-}
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
