@@ -56,6 +56,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    # hf (in-process, default), vllm (in-process vllm.LLM), openai (servers, base_urls), or
+    # auto: vllm where it is installed and finishes this run's rollouts sooner, else hf
+    # (appo.rollout.auto: measured rule table, vLLM's start-up counted on CPU)
     name: str = "hf"
     strategy: str = "arpo"
     n: int = 16  # the ARPO paper (docs/algorithms.md §2.2); the CPU demo uses 8
@@ -278,7 +281,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.device": ("auto", "cpu", "cuda"),
     "data.template": ("code_search", "math", "search"),
     "data.overlong": ("skip", "fail"),
-    "rollout.name": ("hf", "vllm", "openai"),
+    "rollout.name": ("hf", "vllm", "openai", "auto"),
     "trainer.parallel": ("auto", "ddp", "fsdp"),
     "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),

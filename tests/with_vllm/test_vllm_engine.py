@@ -175,3 +175,33 @@ def test_many_long_prompts_in_one_call(engine):
         assert all(o.token_ids for o in outs)
     finally:
         engine.release(rows)
+
+
+def test_auto_builds_the_vllm_engine_where_the_table_says_vllm(cfg, lm, engine, monkeypatch,
+                                                               capsys):
+    """`rollout.name=auto` with vLLM installed (really imported here) picks the vllm engine
+    for a run long enough to repay its start-up, and hf for a single short call. The
+    module's running `vllm.LLM` stands in for a second start (`start_llm` patched), so no
+    extra 80 s start-up."""
+    from omegaconf import OmegaConf
+
+    from appo.rollout import auto, build_engine
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.vllm_engine import VLLMEngine
+
+    assert auto.vllm_installed() and auto.vllm_import_error() is None
+    monkeypatch.setattr("appo.rollout.vllm_engine.start_llm", lambda _cfg: engine.llm)
+    cfg_auto = OmegaConf.merge(cfg, {"rollout": {"name": "auto"}, "model": {"device": "cpu"}})
+    long_run = auto.Workload(rows=32, calls=10, max_new_tokens=160)
+    assert auto.resolve(cfg_auto, long_run).name == "vllm"
+    built = build_engine(cfg_auto, lm, workload=long_run)
+    assert isinstance(built, VLLMEngine) and built.llm is engine.llm
+    assert capsys.readouterr().err.startswith("appo: rollout.name=auto -> vllm (CPU, 32 rows")
+    row = built.add_row(lm.tokenizer.encode("The capital of France is"))
+    [out] = built.decode([row], [3], SamplingParams(temperature=1.0))
+    assert 1 <= len(out.token_ids) <= 3 and len(out.logps) == len(out.token_ids)
+    built.release([row])
+    short = build_engine(cfg_auto, lm, workload=auto.Workload(rows=4, calls=1,
+                                                              max_new_tokens=64))
+    assert isinstance(short, HFEngine)

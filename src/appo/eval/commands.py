@@ -10,6 +10,7 @@ Import-light: torch, transformers, the tools and the data loaders load inside th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -109,8 +110,15 @@ def _eval(args: argparse.Namespace) -> int:
             lm = load_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
                             trust_remote_code=cfg.model.trust_remote_code)
             tokenizer = lm.tokenizer
-            engine = build_engine(cfg, lm)
-            info.update(backend=cfg.rollout.name, model_source=lm.source)
+            # rollout.name=auto: every sample of every benchmark, in chunks of --batch-size
+            from appo.rollout.auto import Workload
+
+            samples = max(sum(len(b.examples) for b in benchmarks) * k, 1)
+            workload = Workload(min(args.batch_size, samples),
+                                math.ceil(samples / args.batch_size),
+                                int(cfg.eval.max_response_length))
+            engine = build_engine(cfg, lm, workload=workload)
+            info.update(backend=engine.name, model_source=lm.source)
         router = router_from_config(cfg)
         if cfg.custom_reward_function.path:
             lenient = router  # a user reward has no lenient mode

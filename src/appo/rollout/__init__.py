@@ -30,8 +30,9 @@ from appo.rollout.records import (
 from appo.rollout.settings import RolloutSettings
 from appo.rollout.strategies import STRATEGIES, get_strategy
 
-# `rollout.name` values (kept in step with appo.config.CHOICES by a test).
-ENGINES = ("hf", "vllm", "openai")
+# `rollout.name` values (kept in step with appo.config.CHOICES by a test); `auto` picks hf
+# or vllm (appo.rollout.auto).
+ENGINES = ("hf", "vllm", "openai", "auto")
 
 __all__ = [
     "ENGINES",
@@ -59,12 +60,18 @@ def rollout(prompts, engine, tools, settings: RolloutSettings, strategy: str = "
     return get_strategy(strategy)(prompts, engine, tools, settings, rng=rng, score_fn=score_fn)
 
 
-def build_engine(cfg: Any, lm: Any = None, **kwargs: Any):
+def build_engine(cfg: Any, lm: Any = None, workload: Any = None, announce: bool = True,
+                 **kwargs: Any):
     """The engine named by `rollout.name`: `hf` on a loaded model, `vllm` (lazy import, an
-    in-process `vllm.LLM`) or `openai` (OpenAI-compatible servers, `rollout.base_urls`)."""
+    in-process `vllm.LLM`), `openai` (OpenAI-compatible servers, `rollout.base_urls`) or
+    `auto` (hf or vllm by `appo.rollout.auto`'s rule for `workload`, an
+    `appo.rollout.auto.Workload`; None: one training step of the config; the choice is
+    printed as one line to stderr when `announce`)."""
     from appo.errors import AppoError
 
     name = cfg.rollout.name
+    if name == "auto":
+        name = _auto_engine_name(cfg, workload, announce)
     if name == "hf":
         if lm is None:
             raise AppoError("the hf rollout engine needs a loaded model (appo.models.load_model)")
@@ -79,6 +86,21 @@ def build_engine(cfg: Any, lm: Any = None, **kwargs: Any):
     if name == "openai":
         return _server_engine(cfg, lm)
     raise AppoError(f"unknown rollout engine {name!r} (choose from {', '.join(ENGINES)})")
+
+
+def _auto_engine_name(cfg: Any, workload: Any, announce: bool) -> str:
+    import sys
+
+    from appo.rollout.auto import Workload, resolve
+
+    if workload is None:
+        workload = Workload.training(cfg, steps=1)
+    choice = resolve(cfg, workload)
+    if announce:
+        note = ("; rollout.base_urls is set but only rollout.name=openai uses servers"
+                if cfg.rollout.base_urls else "")
+        print(choice.line[:-1] + note + ")", file=sys.stderr, flush=True)
+    return choice.name
 
 
 def _server_engine(cfg: Any, lm: Any):

@@ -61,7 +61,11 @@ def _rollout(args: argparse.Namespace) -> int:
 
         tools = build_tools(cfg.tools)
     tags = list(tools.tags) if tools is not None else []
-    engine = build_engine(cfg, lm)
+    # rollout.name=auto: this command makes one call of rollout.n rows
+    from appo.rollout.auto import Workload
+
+    engine = build_engine(cfg, lm, workload=Workload(int(cfg.rollout.n), 1,
+                                                     int(cfg.data.max_response_length)))
     settings = RolloutSettings.from_config(cfg)
     prompt = RolloutPrompt("q0", _prompt_ids(lm, question, cfg, tags),
                            extra={"question": question})

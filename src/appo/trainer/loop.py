@@ -270,6 +270,7 @@ class RLTrainer:
         from appo.models import load_model
         from appo.rewards import router_from_config
         from appo.rollout import RolloutSettings, build_engine
+        from appo.rollout.auto import Workload
         from appo.tools.registry import build_tools
         from appo.trainer.checkpoint import resume_training
         from appo.trainer.metrics import MetricsLogger
@@ -323,7 +324,15 @@ class RLTrainer:
             raise AppoError(f"data.train_files produced no training prompts{why}")
         self.reward = router_from_config(cfg)
         self.reward.check((e.data_source, e.ability) for e in self.train_data + self.val_data)
-        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model))
+        self.steps_per_epoch = max(1, len(self.train_data) // cfg.data.train_batch_size)
+        self.total_steps = self.steps_per_epoch * cfg.trainer.total_epochs
+        if cfg.trainer.total_steps is not None:
+            self.total_steps = int(cfg.trainer.total_steps)
+        # rollout.name=auto weighs the run's rollout work (this rank's share) against
+        # vLLM's start-up; every rank decides the same from the same config.
+        workload = Workload.training(cfg, self.total_steps, self.dp.world)
+        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model),
+                                   workload=workload, announce=self.dp.is_main)
         # An engine with its own copy of the weights (vllm, servers) loaded model.path, which a
         # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
         self._rollout_stale = hasattr(self.engine, "sync_weights")
@@ -342,10 +351,6 @@ class RLTrainer:
             [p for p in self.model.parameters() if p.requires_grad],
             lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
         )
-        self.steps_per_epoch = max(1, len(self.train_data) // cfg.data.train_batch_size)
-        self.total_steps = self.steps_per_epoch * cfg.trainer.total_epochs
-        if cfg.trainer.total_steps is not None:
-            self.total_steps = int(cfg.trainer.total_steps)
         self.scheduler = self._make_scheduler()
         self.step = 0
         if cfg.trainer.resume:

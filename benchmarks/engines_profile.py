@@ -1,0 +1,191 @@
+"""What one CPU decode step runs in appo's `hf` engine and in vLLM: evidence for "why vLLM
+decodes faster" (benchmarks/RESULTS.md) that does not depend on the machine being quiet.
+
+One engine per run, in this process (`benchmarks/engines.py`'s engine set-up and prompts):
+`--rows` rows, a 1-token call and an `--new-tokens` call on the same prompts, each under
+`torch.profiler`; the second minus the first, divided by the extra steps, is one decode step.
+Printed per decode step:
+- every torch op (and appo's numba matmul kernel, recorded as `appo::numba_linear`) with its
+  call count and its share of the step's self CPU time (shares shift under load; counts do
+  not);
+- how the process's CPU time split over its threads during the N-token call
+  (`/proc/self/task/*/stat`): whether the step's work runs on one core or on all.
+
+`--matmuls` instead runs one decode step's projections and LM head (SmolLM2-135M shapes,
+`--rows` rows, float32) `--repeats` times with appo's decode matmul for that row count and,
+where vLLM is installed, with vLLM's CPU GEMM (`onednn_mm` on a prepacked weight, what its
+linear layers and LM head call on x86 without zentorch), and prints how each one's CPU
+time split over the threads.
+
+    .venv-vllm/bin/python benchmarks/engines_profile.py --engine hf --rows 8 --new-tokens 9
+    .venv-vllm/bin/python benchmarks/engines_profile.py --engine vllm-pc-on --rows 8
+    .venv-vllm/bin/python benchmarks/engines_profile.py --matmuls --rows 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def thread_cpu_ticks() -> dict[int, tuple[str, int]]:
+    """{thread id: (name, user + system clock ticks)} of this process's threads."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(task.name)] = (name, int(fields[11]) + int(fields[12]))
+    return out
+
+
+def profiled_call(eng, prompts, new_tokens: int):
+    """(op -> (count, self CPU us), per-thread ticks) of one `decode` call on fresh rows."""
+    from engines import _decode
+    from torch.profiler import ProfilerActivity, profile
+
+    before = thread_cpu_ticks()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = _decode(eng, prompts, 1, new_tokens, seed=0)
+    after = thread_cpu_ticks()
+    ops: dict[str, tuple[int, float]] = {}
+    for e in prof.key_averages():
+        ops[e.key] = (e.count, e.self_cpu_time_total)
+    ticks = {tid: (name, t - before.get(tid, (name, 0))[1]) for tid, (name, t) in after.items()}
+    return ops, ticks, result
+
+
+def thread_split(fn, repeats: int) -> str:
+    """'a% / b% / ...' of the CPU ticks each thread spent while `fn` ran `repeats` times."""
+    before = thread_cpu_ticks()
+    for _ in range(repeats):
+        fn()
+    after = thread_cpu_ticks()
+    ticks = sorted((t - before.get(tid, (n, 0))[1] for tid, (n, t) in after.items()),
+                   reverse=True)
+    total = sum(ticks) or 1
+    return " / ".join(f"{100 * t / total:.0f}%" for t in ticks if t > 0.02 * total)
+
+
+def matmul_split(args) -> None:
+    """Per-thread CPU split of one decode step's matmuls: appo's rule vs vLLM's oneDNN."""
+    import torch
+
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.matmuls import decode_rule
+
+    hidden, inter, qkv, vocab, layers = 576, 1536, 960, 49152, 30
+    shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers
+    shapes.append((vocab, hidden))
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    xs = {k: torch.randn(args.rows, k, generator=gen) for k in {k for _, k in shapes}}
+    rule = decode_rule(torch.float32, torch.device("cpu"), kernels.available())
+    impl = rule.implementation(args.rows)
+
+    def appo_step():
+        for w in weights[:-1]:
+            impl.linear(xs[w.shape[1]], w)
+        impl.head(xs[hidden], weights[-1])
+
+    appo_step()  # compile / warm
+    print(f"{args.rows} rows, torch threads {torch.get_num_threads()}, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"appo `{impl.name}` (rule {rule}): CPU time by thread "
+          f"{thread_split(appo_step, args.repeats)}")
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as e:  # noqa: BLE001 - not installed or broken
+        print(f"vLLM oneDNN: not available ({type(e).__name__})")
+        return
+    handlers = [ops.create_onednn_mm(w.t(), 32) for w in weights]
+
+    def vllm_step():
+        for w, h in zip(weights, handlers, strict=True):
+            ops.onednn_mm(h, xs[w.shape[1]], None)
+
+    vllm_step()
+    print(f"vLLM onednn_mm (prepacked): CPU time by thread "
+          f"{thread_split(vllm_step, args.repeats)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("hf", "vllm-pc-on", "vllm-pc-off"), default="hf")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=9)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", default="synth:arith?split=train&levels=2,3")
+    p.add_argument("--template", default="code_search")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--vllm-logprobs", type=int, default=20)
+    p.add_argument("--matmuls", action="store_true")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    args.worker = args.engine
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    if args.matmuls:
+        torch.set_num_threads(args.threads)
+        matmul_split(args)
+        return
+
+    from engines import _make_engine, prompt_pool
+
+    torch.set_num_threads(args.threads)
+    eng, info, _, _ = _make_engine(args)
+    if args.engine == "hf":  # numba kernels are no torch op: record them as one
+        from torch.profiler import record_function
+
+        from appo.rollout.cpu import kernels
+
+        plain = kernels.linear
+
+        def recorded(*a, **kw):
+            with record_function("appo::numba_linear"):
+                return plain(*a, **kw)
+
+        kernels.linear = recorded
+    prompts = prompt_pool(args, 64)[: args.rows]
+    _decode_warm = profiled_call(eng, prompts, 2)  # noqa: F841 - first calls compile/allocate
+    one, _, r1 = profiled_call(eng, prompts, 1)
+    many, ticks, rn = profiled_call(eng, prompts, args.new_tokens)
+    steps = args.new_tokens - 1
+    per_step = {}
+    for op, (count, us) in many.items():
+        c1, u1 = one.get(op, (0, 0.0))
+        if count - c1 > 0:
+            per_step[op] = ((count - c1) / steps, max(us - u1, 0.0) / steps)
+    total = sum(us for _, us in per_step.values()) or 1.0
+    print(f"engine {args.engine}, {args.rows} rows, {steps} decode steps; {info}; "
+          f"tokens {r1['tokens']} / {rn['tokens']}; load average {os.getloadavg()[0]:.1f}")
+    print(f"torch ops per decode step: {sum(c for c, _ in per_step.values()):.0f} calls, "
+          f"{len(per_step)} kinds")
+    print("| op | calls per step | share of self CPU time |")
+    print("| --- | --- | --- |")
+    for op, (count, us) in sorted(per_step.items(), key=lambda kv: -kv[1][1])[: args.top]:
+        print(f"| `{op}` | {count:.1f} | {100 * us / total:.1f}% |")
+    names = Counter()
+    busy = {tid: t for tid, t in ticks.items() if t[1] > 0}
+    all_ticks = sum(t for _, t in busy.values()) or 1
+    print(f"CPU time of the {args.new_tokens}-token call by thread ({len(ticks)} threads, "
+          f"{all_ticks} ticks):")
+    for tid, (name, t) in sorted(busy.items(), key=lambda kv: -kv[1][1]):
+        names[name] += 1
+        print(f"  {tid} {name}: {100 * t / all_ticks:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
