@@ -36,6 +36,7 @@ from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
+from appo.trainer.rundir import discard_unused_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
@@ -266,6 +267,23 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ set-up
     def __init__(self, cfg: Any, lm=None, progress: bool = True):
+        self.cfg = cfg
+        self.dp = DataParallel.from_env()
+        self.progress = progress and self.dp.is_main
+        # Before anything is loaded or written: the run directory policy (rundir.py).
+        self.out_dir = self._run_dir()
+        cfg.trainer.default_local_dir = str(self.out_dir)  # what the checkpoints record
+        try:
+            self._setup(lm)
+        except BaseException:
+            # A run that fails while starting (bad data, a model that does not load) leaves
+            # no new empty directory behind, so the same command can simply be run again.
+            if self.dp.is_main and not cfg.trainer.resume:
+                discard_unused_run_dir(self.out_dir, self._new_dirs)
+            raise
+
+    def _setup(self, lm) -> None:
+        """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
         from appo.data.rl import rl_data_from_config
         from appo.models import load_model
         from appo.rewards import router_from_config
@@ -275,12 +293,7 @@ class RLTrainer:
         from appo.trainer.checkpoint import resume_training
         from appo.trainer.metrics import MetricsLogger
 
-        self.cfg = cfg
-        self.dp = DataParallel.from_env()
-        self.progress = progress and self.dp.is_main
-        # Before anything is loaded or written: the run directory policy (rundir.py).
-        self.out_dir = self._run_dir()
-        cfg.trainer.default_local_dir = str(self.out_dir)  # what the checkpoints record
+        cfg = self.cfg
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         device = cfg.model.device
@@ -369,10 +382,11 @@ class RLTrainer:
     def _run_dir(self) -> Path:
         """Rank 0 applies the run directory policy; every rank takes its answer (the
         collective is also the barrier before any rank reads the directory)."""
-        from appo.trainer.rundir import prepare_run_dir
+        from appo.trainer.rundir import new_directories, prepare_run_dir
 
         t = self.cfg.trainer
         decision: str | AppoError | None = None
+        self._new_dirs = new_directories(t.default_local_dir)
         if self.dp.is_main:
             try:
                 decision = str(prepare_run_dir(t.default_local_dir, "appo",
@@ -385,6 +399,8 @@ class RLTrainer:
             raise decision
         if self.dp.is_main:
             print(f"appo: run directory {decision}", flush=True)
+        if not t.default_local_dir:  # the new unique directory
+            self._new_dirs.insert(0, Path(str(decision)))
         return Path(str(decision))
 
     def _make_scheduler(self):

@@ -92,3 +92,28 @@ def _remove_old_run(path: Path) -> None:
         raise write_error(e, path, "replace run directory") from None
     shutil.rmtree(aside, ignore_errors=True)
     print(f"appo: trainer.overwrite=true: removed the previous run in {path}")
+
+
+def new_directories(configured: str | None) -> list[Path]:
+    """The directories that do not exist yet on the way to the run directory for
+    `configured`, deepest first; for the default (None) those above the unique directory,
+    which is itself always new."""
+    target = Path(configured) if configured else Path("runs") / "new-run"
+    missing = [d for d in (target, *target.parents) if not d.exists()]
+    return missing if configured else [d for d in missing if d != target]
+
+
+def discard_unused_run_dir(path: Path, new_dirs: list[Path]) -> None:
+    """After a new run failed while starting: remove its run marker and the directories
+    it created (`new_directories`, taken before), if nothing else was written there."""
+    try:
+        if any(p.name != RUN_MARKER for p in path.iterdir()):
+            return  # the run wrote something: it stays
+        (path / RUN_MARKER).unlink(missing_ok=True)
+    except OSError:
+        return
+    for d in new_dirs:  # deepest first; stop at the first that is not empty
+        try:
+            d.rmdir()
+        except OSError:
+            break
