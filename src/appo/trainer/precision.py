@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["autocast", "master_dtype", "train_compute_dtype"]
+__all__ = ["autocast", "head_inputs", "master_dtype", "train_compute_dtype"]
 
 
 def train_compute_dtype(cfg: Any) -> torch.dtype | None:
@@ -40,3 +40,15 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+def head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype | None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The LM head's inputs in the compute `dtype` (None: as they are). The casts are
+    differentiable, so the float32 masters get float32 gradients; autocast cannot do this
+    here, because the chunked head function recomputes its matmul in backward, outside it."""
+    if dtype is None:
+        return hidden, weight, bias
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+

@@ -52,7 +52,7 @@ def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
     from appo.algos import token_logprobs_and_entropy
     from appo.trainer.batch import pad_right
     from appo.trainer.forward import final_hidden_states
-    from appo.trainer.precision import autocast
+    from appo.trainer.precision import autocast, head_inputs
 
     with autocast(next(model.parameters()).device, compute_dtype):
         hidden = final_hidden_states(
@@ -69,12 +69,10 @@ def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
     if not targets:
         return hidden.sum() * 0.0, 0
     head = model.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
     device = hidden.device
     picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
-    if compute_dtype is not None:
-        picked, weight = picked.to(compute_dtype), weight.to(compute_dtype)
-        bias = None if bias is None else bias.to(compute_dtype)
+    picked, weight, bias = head_inputs(picked, head.weight, getattr(head, "bias", None),
+                                       compute_dtype)
     logp, _ = token_logprobs_and_entropy(
         picked, weight, torch.tensor(targets, device=device),
         bias=bias, chunk_size=chunk_size, with_entropy=False,

@@ -44,7 +44,7 @@ from appo.trainer.batch import TrainBatch
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_step, to_float
-from appo.trainer.precision import autocast
+from appo.trainer.precision import autocast, head_inputs
 
 
 def policy_loss_params(actor: Any) -> PolicyLossParams:
@@ -108,10 +108,8 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     gathered = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
     targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1)) * valid
     head = model.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if compute_dtype is not None:  # the head in the compute dtype too (gradients cast back)
-        gathered, weight = gathered.to(compute_dtype), weight.to(compute_dtype)
-        bias = None if bias is None else bias.to(compute_dtype)
+    gathered, weight, bias = head_inputs(gathered, head.weight, getattr(head, "bias", None),
+                                         compute_dtype)
     logp, entropy = token_logprobs_and_entropy(
         gathered, weight, targets, bias=bias,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
