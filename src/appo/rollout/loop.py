@@ -296,11 +296,22 @@ class ToolLoop:
             return ""  # no opening tag in this segment: an empty call, answered with an error
         return text[begin + len(open_) : end].strip()
 
+    def _context(self, row: RowState, tool: str) -> tuple[str, ...]:
+        """The row's response so far, one step per segment, for tools that read it (the
+        search tool's page step); decoded only for them."""
+        resolve = getattr(self.tools, "resolve", None)
+        target = resolve(tool) if callable(resolve) else None
+        if not getattr(target, "takes_context", False):
+            return ()
+        ids = row.traj.response_ids
+        return tuple(self.tokenizer.decode(ids[s.start : s.end]) for s in row.traj.segments)
+
     def _run_calls(self, pending: list[_PendingCall]) -> None:
         from appo.tools.base import ToolResult
         from appo.tools.executor import ToolCall
 
-        calls = [ToolCall(tool=p.tool, content=p.content) for p in pending]
+        calls = [ToolCall(tool=p.tool, content=p.content, context=self._context(p.row, p.tool))
+                 for p in pending]
         t0 = time.perf_counter()
         try:
             results = list(self.tools.execute_many(calls))

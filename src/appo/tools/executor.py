@@ -34,6 +34,9 @@ _LATENCY_WINDOW = 10_000
 class ToolCall:
     tool: str  # tool name (or its trigger tag)
     content: str
+    # The rollout's steps so far (model segments and results), for tools that set
+    # `takes_context` (the search tool's page step); others never see it.
+    context: tuple[str, ...] = ()
 
 
 @dataclass
@@ -142,7 +145,7 @@ class ToolExecutor:
                                 error_kind="error")
             retries = 0
         else:
-            result, retries = self._attempts(tool, call.content)
+            result, retries = self._attempts(tool, call)
         result.latency_s = time.monotonic() - start
         with self._stats_lock:
             self._stats[tool.name].record(result, retries)
@@ -151,13 +154,13 @@ class ToolExecutor:
                      result.error_kind, result.latency_s, result.cached, retries)
         return result
 
-    def _attempts(self, tool: Tool, content: str) -> tuple[ToolResult, int]:
+    def _attempts(self, tool: Tool, call: ToolCall) -> tuple[ToolResult, int]:
         retried = {"infra", "timeout"} if getattr(tool, "retry_timeouts", False) else {"infra"}
         result = ToolResult("", ok=False, error_kind="infra")
         for attempt in range(self.retry_count + 1):
             if attempt:
                 time.sleep(min(0.05 * 2**attempt, 2.0))
-            result = self._attempt(tool, content)
+            result = self._attempt(tool, call)
             if result.error_kind not in retried:
                 return result, attempt
             log.warning("tool %s %s (attempt %d/%d): %s", tool.name,
@@ -166,16 +169,16 @@ class ToolExecutor:
                         result.text[:200])
         return result, self.retry_count
 
-    def _attempt(self, tool: Tool, content: str) -> ToolResult:
+    def _attempt(self, tool: Tool, call: ToolCall) -> ToolResult:
         if getattr(tool, "enforces_timeout", False):
-            return self._call(tool, content)
+            return self._call(tool, call)
         # A tool that does not bound its own run time gets a watchdog thread; on timeout the
         # thread is abandoned (Python cannot kill it) and the call reports a timeout.
         box: list[ToolResult | ToolFatalError] = []
 
         def work() -> None:
             try:
-                box.append(self._call(tool, content))
+                box.append(self._call(tool, call))
             except ToolFatalError as e:  # handed to the caller's thread
                 box.append(e)
 
@@ -192,9 +195,12 @@ class ToolExecutor:
                           ok=False, error_kind="timeout")
 
     @staticmethod
-    def _call(tool: Tool, content: str) -> ToolResult:
+    def _call(tool: Tool, call: ToolCall) -> ToolResult:
         try:
-            result = tool.execute(content)
+            if getattr(tool, "takes_context", False):
+                result = tool.execute(call.content, context=call.context)  # type: ignore[call-arg]
+            else:
+                result = tool.execute(call.content)
         except ToolFatalError:
             raise  # the run must stop: every later call would fail the same way
         except Exception as e:  # noqa: BLE001 - a tool bug must not kill the rollout

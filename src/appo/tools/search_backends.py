@@ -14,6 +14,8 @@
 Results are `Page {i}: {snippet}` lines as in the original, at most `max_results` pages,
 each snippet cut to `result_length` characters. Failures raise `BackendError` with the
 `error_kind` the executor uses ("infra" is retried, "timeout" and "error" are not).
+`hits()` returns the same results as `Hit` records with their page URLs, for the page step
+(`appo.tools.pages`); the replay backend has no URLs and no `hits()`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ class SearchBackend(Protocol):
     def search(self, query: str, max_results: int, result_length: int) -> str: ...
 
 
+@dataclass
+class Hit:
+    """One search result: the page's URL (a `corpus:` URL for a local corpus), title and
+    snippet (whole, not cut to `result_length`)."""
+
+    url: str
+    title: str
+    snippet: str
+
+
 def format_pages(snippets: Iterable[str], max_results: int, result_length: int) -> str:
     """The original's result text: `Page {i}: {snippet}` lines."""
     lines = []
@@ -100,6 +112,14 @@ class Passage:
     id: str
     title: str
     text: str
+    url: str = ""  # the page the passage comes from; empty: `page_url()` names one
+
+    def page_url(self) -> str:
+        """The passage's page: its `url`, else `corpus:{title}` (passages of one article
+        share it), else `corpus:#{id}`."""
+        if self.url:
+            return self.url
+        return f"corpus:{self.title}" if self.title else f"corpus:#{self.id}"
 
     def snippet(self) -> str:
         if self.title and not self.text.startswith(self.title):
@@ -119,7 +139,8 @@ def read_corpus(path: str | os.PathLike) -> Iterator[Passage]:
             title, text = _split_contents(str(row["contents"]))
         if not isinstance(text, str):
             raise AppoError(f"{path}:{lineno}: passage has no 'text' string")
-        yield Passage(str(row.get("id", lineno - 1)), str(title), text)
+        yield Passage(str(row.get("id", lineno - 1)), str(title), text,
+                      str(row.get("url") or ""))
 
 
 def _split_contents(contents: str) -> tuple[str, str]:
@@ -147,8 +168,10 @@ def write_corpus(passages: Iterable[Passage], path: str | os.PathLike) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for p in passages:
-            f.write(json.dumps({"id": p.id, "title": p.title, "text": p.text},
-                               ensure_ascii=False) + "\n")
+            row = {"id": p.id, "title": p.title, "text": p.text}
+            if p.url:
+                row["url"] = p.url
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
     return n
 
@@ -278,9 +301,13 @@ class Bm25Backend:
                 return {"corpus": json.loads(meta.read_text()).get("fingerprint", "")}
         return {"corpus": str(corpus or index_dir)}
 
+    def hits(self, query: str, max_results: int) -> list[Hit]:
+        return [Hit(p.page_url(), p.title, p.snippet())
+                for p, _ in self.index.search(query, max_results)]
+
     def search(self, query: str, max_results: int, result_length: int) -> str:
-        hits = self.index.search(query, max_results)
-        return format_pages((p.snippet() for p, _ in hits), max_results, result_length)
+        return format_pages((h.snippet for h in self.hits(query, max_results)), max_results,
+                            result_length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,19 +424,25 @@ class BrightDataBackend:
         params = urllib.parse.urlencode({"q": query, "mkt": mkt, "setLang": lang})
         return f"https://www.bing.com/search?{params}&brd_json=1&cc={self.location}"
 
-    def search(self, query: str, max_results: int, result_length: int) -> str:
+    def hits(self, query: str, max_results: int) -> list[Hit]:
         payload = {"zone": self.zone, "url": self.bing_url(query), "format": "raw"}
         data = post_json(self.url, payload, {"Authorization": f"Bearer {self.api_key}"},
                          self.timeout)
         if not isinstance(data, dict):
             raise BackendError("unexpected Bright Data answer (not a JSON object)")
-        snippets: list[str] = []
+        out: list[Hit] = []
         for item in data.get("organic") or []:
-            snippet = str(item.get("description") or "").strip() if isinstance(item, dict) \
-                else ""
-            if snippet and snippet not in snippets:
-                snippets.append(snippet)
-        return format_pages(snippets, max_results, result_length)
+            if not isinstance(item, dict):
+                continue
+            snippet = str(item.get("description") or "").strip()
+            if snippet and all(h.snippet != snippet for h in out):
+                out.append(Hit(str(item.get("link") or ""), str(item.get("title") or ""),
+                               snippet))
+        return out[:max_results]
+
+    def search(self, query: str, max_results: int, result_length: int) -> str:
+        return format_pages((h.snippet for h in self.hits(query, max_results)), max_results,
+                            result_length)
 
 
 class HttpRetrieverBackend:
@@ -427,6 +460,10 @@ class HttpRetrieverBackend:
         return {"url": url}
 
     def search(self, query: str, max_results: int, result_length: int) -> str:
+        return format_pages((h.snippet for h in self.hits(query, max_results)), max_results,
+                            result_length)
+
+    def hits(self, query: str, max_results: int) -> list[Hit]:
         payload = {"queries": [query], "topk": max_results, "return_scores": True}
         data = post_json(self.url, payload, {}, self.timeout)
         try:
@@ -434,15 +471,16 @@ class HttpRetrieverBackend:
         except (KeyError, IndexError, TypeError):
             raise BackendError("unexpected retriever answer: expected "
                                "{\"result\": [[...passages...]]}") from None
-        snippets = []
-        for hit in hits or []:
+        out = []
+        for i, hit in enumerate(hits or []):
             doc = hit.get("document", hit) if isinstance(hit, dict) else {"contents": str(hit)}
             if "text" in doc:
                 title, text = str(doc.get("title") or ""), str(doc["text"])
             else:
                 title, text = _split_contents(str(doc.get("contents", "")))
-            snippets.append(Passage("", title, text).snippet())
-        return format_pages(snippets, max_results, result_length)
+            p = Passage(str(doc.get("id", i)), title, text, str(doc.get("url") or ""))
+            out.append(Hit(p.page_url(), title, p.snippet()))
+        return out
 
 
 BACKENDS: dict[str, type] = {

@@ -154,21 +154,26 @@ class SearchCache:
 
     # -- single entries -------------------------------------------------------------------
 
-    def get(self, backend: str, params: Mapping | None, query: str) -> str | None:
+    # `key`: an exact key instead of the normalised query (page fetches key on the URL,
+    # summaries on a hash of the prompt; `query` is then only a readable label).
+
+    def get(self, backend: str, params: Mapping | None, query: str,
+            key: str | None = None) -> str | None:
         with self._guard():
             row = self._connect().execute(
                 "SELECT result FROM search_cache WHERE backend=? AND params=? AND query_key=?",
-                (backend, canonical_params(params), normalise_query(query)),
+                (backend, canonical_params(params), key or normalise_query(query)),
             ).fetchone()
         return row[0] if row else None
 
-    def put(self, backend: str, params: Mapping | None, query: str, result: str) -> bool:
+    def put(self, backend: str, params: Mapping | None, query: str, result: str,
+            key: str | None = None) -> bool:
         """Store a result unless the key already has one. Returns True if it was stored."""
         with self._guard():
             cur = self._connect().execute(
                 "INSERT OR IGNORE INTO search_cache VALUES (?, ?, ?, ?, ?, ?)",
-                (backend, canonical_params(params), normalise_query(query), query, result,
-                 time.time()),
+                (backend, canonical_params(params), key or normalise_query(query), query,
+                 result, time.time()),
             )
         return cur.rowcount == 1
 
