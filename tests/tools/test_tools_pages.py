@@ -352,3 +352,20 @@ def test_pages_need_a_backend_with_urls(tmp_path):
     with pytest.raises(AppoError, match="does not record"):
         SearchTool(backend="replay", replay_file=str(replay),
                    cache_file=str(tmp_path / "c.sqlite"), pages={"enabled": True})
+
+
+def test_cli_pages_build_and_query_with_config(tmp_path, capsys):
+    from appo.cli import main as cli_main
+
+    corpus = _corpus(tmp_path, "https://example.org")
+    store = tmp_path / "pages.sqlite"
+    assert cli_main(["search", "pages", "build", str(corpus), "--out", str(store)]) == 0
+    assert "wrote 4 pages" in capsys.readouterr().out
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        "tools:\n  tool_instances:\n    search:\n"
+        "      class_path: appo.tools.search_tool.SearchTool\n"
+        f"      params: {{backend: bm25, corpus: {corpus}, cache_file: {tmp_path / 'c.sqlite'},"
+        f" pages: {{enabled: true, store: {store}, summarise: false}}}}\n")
+    assert cli_main(["search", "query", "capital of france", "--config", str(cfg)]) == 0
+    assert "Paris is the capital of France." in capsys.readouterr().out

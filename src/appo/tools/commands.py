@@ -1,4 +1,5 @@
-"""CLI: `appo search ...` (index, query, cache import/export/stats) and `appo tool python`.
+"""CLI: `appo search ...` (index, query, cache import/export/stats, pages build) and
+`appo tool python`.
 
 Import-light: handlers import bm25s, numpy and the sandbox only when they run.
 """
@@ -65,6 +66,16 @@ def register(sub) -> None:
     p.add_argument("--cache-file", default=None)
     p.set_defaults(handler=cmd_cache_stats)
 
+    pages = ssub.add_parser("pages", help="the deep-search page store")
+    psub = pages.add_subparsers(dest="pages_command", metavar="ACTION")
+    pages.set_defaults(handler=lambda args: _help(pages))
+    p = psub.add_parser("build", help="build a page store (url -> text) from a search corpus: "
+                                      "passages of one page (same url, else same title) joined")
+    p.add_argument("corpus", help="JSONL passages {id, title, text[, url]}")
+    p.add_argument("--out", required=True,
+                   help="page store to write: .jsonl ({url, text} lines) or SQLite (other names)")
+    p.set_defaults(handler=cmd_pages_build)
+
     tool = sub.add_parser("tool", help="run a tool by hand")
     tsub = tool.add_subparsers(dest="tool_command", metavar="TOOL")
     tool.set_defaults(handler=lambda args: _help(tool))
@@ -94,6 +105,14 @@ def cmd_index(args) -> int:
     index = Bm25Index.build(passages, args.out, fingerprint=file_fingerprint(args.corpus))
     print(f"indexed {len(index.passages)} passages from {args.corpus} into "
           f"{Path(args.out)} in {time.monotonic() - start:.1f} s")
+    return 0
+
+
+def cmd_pages_build(args) -> int:
+    from appo.tools.pages import build_page_store
+
+    n = build_page_store(args.corpus, args.out)
+    print(f"wrote {n} pages from {args.corpus} to {args.out}")
     return 0
 
 
