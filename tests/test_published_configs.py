@@ -176,10 +176,24 @@ TRAIN_FILES = {
 }
 
 
+# The deep-search page step: the original evaluation's SerperSearchToolSDS defaults
+# (max_doc_len 3000, max_sequence_length 20000, page text cut at 20000, requests timeout 20,
+# summary sampling temperature 0.6 / top_p 0.95 / max_tokens 4096); off for training, whose
+# BingSearchTool returned snippets only (the README's config_example.yaml).
+DEEP_PAGES: dict[str, Any] = {
+    f"tools.tool_instances.search.params.pages.{k}": v for k, v in {
+        "enabled": False, "top_k": 10, "fetcher": "http", "timeout": 20.0,
+        "max_page_chars": 20000, "context_chars": 3000, "max_documents_chars": 20000,
+        "summariser.prompt": "webpage_to_reasonchain", "summariser.temperature": 0.6,
+        "summariser.top_p": 0.95, "summariser.max_tokens": 4096}.items()}
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_published_config_equals_original(name):
     cfg = load_config(CONFIGS / name)
     expected = {**VERL_YAML, **SCRIPTS_COMMON, **TOOLS_COMMON, **EXPECTED[name]}
+    if "deepsearch" in name:
+        expected.update(DEEP_PAGES)
     wrong = {}
     for key, value in expected.items():
         got = OmegaConf.select(cfg, key)

@@ -369,3 +369,23 @@ def test_cli_pages_build_and_query_with_config(tmp_path, capsys):
         f" pages: {{enabled: true, store: {store}, summarise: false}}}}\n")
     assert cli_main(["search", "query", "capital of france", "--config", str(cfg)]) == 0
     assert "Paris is the capital of France." in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["aepo_qwen3_14b_deepsearch.yaml",
+                                  "appo_qwen3_8b_deepsearch.yaml"])
+def test_published_deep_search_config_builds_the_page_step(tmp_path, name):
+    """The configs' pages block is valid as written; turned on (as for the papers' eval),
+    with a local corpus and page store instead of Bright Data and live pages, it runs."""
+    from appo.config import load_config, to_container
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / name)
+    params = to_container(cfg.tools.tool_instances["search"].params)
+    corpus = _corpus(tmp_path, "https://example.org")
+    store = tmp_path / "pages.jsonl"
+    build_page_store(corpus, store)
+    params.update(backend="bm25", corpus=str(corpus), cache_file=str(tmp_path / "c.sqlite"))
+    params["pages"].update(enabled=True, fetcher="store", store=str(store), summarise=False)
+    tool = SearchTool(**params)
+    assert tool.page_step.cfg.context_chars == 3000
+    assert "Paris is the capital" in tool.execute("capital of france").text
