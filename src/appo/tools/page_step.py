@@ -30,6 +30,7 @@ from appo.tools.pages import Fetched, make_fetcher
 from appo.tools.search_backends import Hit
 from appo.tools.search_cache import SearchCache
 from appo.tools.summarise import (
+    APIS,
     PageDoc,
     Summariser,
     SummariserError,
@@ -47,6 +48,7 @@ class SummariserConfig:
     model: str | None = None  # None: the first model the server lists
     api_key_env: str = "OPENAI_API_KEY"
     prompt: str = "webpage_to_reasonchain"  # a name in summarise.PROMPTS or a template
+    api: str = "chat"  # chat | completions (the prompt as is, for models without a template)
     temperature: float = 0.6
     top_p: float = 0.95
     max_tokens: int = 4096
@@ -90,6 +92,9 @@ class PagesConfig:
         cfg = cls(**params, summariser=SummariserConfig(**summ))
         if cfg.top_k < 1 or cfg.max_page_chars < 1 or cfg.context_chars < 1:
             raise AppoError("search pages.top_k, max_page_chars and context_chars must be >= 1")
+        if cfg.summariser.api not in APIS:
+            raise AppoError(f"bad search pages.summariser.api {cfg.summariser.api!r} "
+                            f"(choose from {', '.join(APIS)})")
         return cfg
 
 
@@ -116,7 +121,8 @@ class PageStep:
         if cfg.summarise:
             if live:
                 self.summariser = Summariser(s.base_url, s.model, s.api_key_env,
-                                             s.temperature, s.top_p, s.max_tokens, s.timeout)
+                                             s.temperature, s.top_p, s.max_tokens, s.timeout,
+                                             api=s.api)
             elif s.model is None:
                 raise AppoError("search pages.summariser.model must be named for a replay "
                                 "(miss_policy 'fail'): summaries are cached under it")
@@ -149,8 +155,8 @@ class PageStep:
     def _summary_key(self, prompt: str) -> tuple[dict, str]:
         s = self.cfg.summariser
         model = s.model if s.model is not None else self.summariser.model_name()
-        params = {"model": model, "temperature": s.temperature, "top_p": s.top_p,
-                  "max_tokens": s.max_tokens}
+        params = {"model": model, "api": s.api, "temperature": s.temperature,
+                  "top_p": s.top_p, "max_tokens": s.max_tokens}
         return params, hashlib.sha256(prompt.encode("utf-8")).hexdigest()
 
     def run(self, query: str, hits: Sequence[Hit], steps: Sequence[str] = ()) -> ToolResult:

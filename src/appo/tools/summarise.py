@@ -19,7 +19,8 @@ Search-o1 / WebThinker prompt the ARPO evaluation code uses). Deviations: senten
 split with a regular expression, not NLTK's `sent_tokenize`; the page records carry no
 `site_name` and `date` (the search backends here do not return them); the request goes to
 `/v1/chat/completions` (the server applies the chat template) rather than the original's
-`/v1/completions` with the template applied client-side.
+`/v1/completions` with the template applied client-side. `api: completions` sends the
+prompt as is to `/v1/completions` (no chat template: for base models without one).
 """
 
 from __future__ import annotations
@@ -195,16 +196,25 @@ class SummariserError(Exception):
         self.retryable = retryable
 
 
+APIS = ("chat", "completions")
+
+
 class Summariser:
-    """One chat completion per prompt on an OpenAI-compatible server (vLLM's)."""
+    """One completion per prompt on an OpenAI-compatible server (vLLM's): a chat request
+    with the prompt as the user message (`api="chat"`), or the prompt as is
+    (`api="completions"`)."""
 
     def __init__(self, base_url: str | None = None, model: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", temperature: float = 0.6,
                  top_p: float = 0.95, max_tokens: int = 4096, timeout: float = 300.0,
-                 retries: int = 2):
+                 retries: int = 2, api: str = "chat"):
         import os
 
         from appo.http import JsonClient
+
+        if api not in APIS:
+            raise AppoError(f"bad pages.summariser.api {api!r} (choose from {', '.join(APIS)})")
+        self.api = api
 
         if not base_url:
             raise AppoError("the page step's summariser needs pages.summariser.base_url (an "
@@ -227,14 +237,21 @@ class Summariser:
     def complete(self, prompt: str) -> str:
         from appo.http import HttpError, endpoint
 
-        payload = {"model": self.model_name(),
-                   "messages": [{"role": "user", "content": prompt}], **self.sampling}
+        chat = self.api == "chat"
+        payload = {"model": self.model_name(), **self.sampling}
+        if chat:
+            payload["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            payload["prompt"] = prompt
         try:
-            data = self.client.call(endpoint(self.base_url, "chat/completions"), payload)
+            data = self.client.call(
+                endpoint(self.base_url, "chat/completions" if chat else "completions"), payload)
         except HttpError as e:
             raise SummariserError(f"summariser failed: {e}", e.retryable) from None
         try:
-            return str(data["choices"][0]["message"]["content"] or "")
+            choice = data["choices"][0]
+            return str((choice["message"]["content"] if chat else choice["text"]) or "")
         except (KeyError, IndexError, TypeError):
-            raise SummariserError("summariser answered without choices[0].message.content",
+            where = "message.content" if chat else "text"
+            raise SummariserError(f"summariser answered without choices[0].{where}",
                                   retryable=False) from None
