@@ -389,3 +389,32 @@ def test_published_deep_search_config_builds_the_page_step(tmp_path, name):
     tool = SearchTool(**params)
     assert tool.page_step.cfg.context_chars == 3000
     assert "Paris is the capital" in tool.execute("capital of france").text
+
+
+def test_summariser_completions_api_and_exact_url_keys(tmp_path):
+    from eval_server import completion
+
+    from appo.tools.page_step import PageStep
+    from appo.tools.search_backends import Hit
+    from appo.tools.search_cache import SearchCache
+
+    store = tmp_path / "pages.jsonl"
+    store.write_text(json.dumps({"url": "https://x.org/A", "text": "upper page"}) + "\n"
+                     + json.dumps({"url": "https://x.org/a", "text": "lower page"}) + "\n")
+    server = ScriptedServer(completions=lambda body: completion(
+        "**Final Information**\n" + body["prompt"].split('"context": "')[1].split('"')[0]))
+    cache = SearchCache(tmp_path / "c.sqlite")
+    try:
+        cfg = PagesConfig.from_params({"enabled": True, "store": str(store), "summariser": {
+            "base_url": server.url, "api": "completions", "model": "m"}})
+        step = PageStep(cfg, cache, live=True)
+        # URLs differing only in case are different pages (the search query key would
+        # case-fold them)
+        upper = step.run("q", [Hit("https://x.org/A", "t", "zebra")])
+        lower = step.run("q", [Hit("https://x.org/a", "t", "zebra")])
+    finally:
+        server.close()
+    assert (upper.text, lower.text) == ("upper page", "lower page")
+    assert "messages" not in server.posts("/v1/completions")[0].body
+    with pytest.raises(AppoError, match="summariser.api"):
+        PagesConfig.from_params({"summariser": {"api": "responses"}})
