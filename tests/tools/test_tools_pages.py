@@ -418,3 +418,73 @@ def test_summariser_completions_api_and_exact_url_keys(tmp_path):
     assert "messages" not in server.posts("/v1/completions")[0].body
     with pytest.raises(AppoError, match="summariser.api"):
         PagesConfig.from_params({"summariser": {"api": "responses"}})
+
+
+def _deep_in_child(corpus, store, cache, url, out, query="capital of france") -> None:
+    tool = SearchTool(backend="bm25", corpus=str(corpus), cache_file=str(cache),
+                      pages={"enabled": True, "store": str(store),
+                             "summariser": {"base_url": url, "model": "m"}})
+    out.put(tool.execute(query).text)
+
+
+def test_page_step_cache_across_processes_and_kill9(tmp_path):
+    """Two processes summarising the same search at once get one answer (the first stored,
+    what a replay returns); a process killed with SIGKILL while waiting for its summary
+    leaves the cache sound."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    corpus = _corpus(tmp_path, "https://example.org")
+    store = tmp_path / "pages.jsonl"
+    build_page_store(corpus, store)
+    cache = tmp_path / "cache.sqlite"
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def slow_summary(body):
+        with lock:
+            calls.append(1)
+            n = len(calls)
+        # the first request is answered last: if the second child's request comes while it
+        # waits, "answer 2" is stored first and the first child must return it too
+        return Reply(body=chat(f"**Final Information** answer {n}"),
+                     delay=2.0 if n == 1 else 0.0)
+
+    server = ScriptedServer(chat=slow_summary)
+    ctx = mp.get_context("fork")
+    try:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_deep_in_child, args=(corpus, store, cache, server.url, out))
+                 for _ in range(2)]
+        for p in procs:
+            p.start()
+        texts = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        # under load the second child may start after the first stored its answer (one
+        # call, a cache hit); either way both return the stored text
+        expected = "answer 2" if len(calls) == 2 else "answer 1"
+        print(f"summary calls: {len(calls)}")
+        assert texts == [expected, expected]
+
+        # kill -9 a process waiting for its summary (a new query: a cache miss)
+        server.chat = lambda body: Reply(body=chat("**Final Information** late"), delay=30)
+        victim = ctx.Process(target=_deep_in_child, args=(corpus, store, cache, server.url,
+                                                          ctx.Queue(), "eiffel tower"))
+        n_before = len(server.posts("/v1/chat/completions"))
+        cache_tool = SearchTool(backend="bm25", corpus=str(corpus), cache_file=str(cache),
+                                miss_policy="fail",
+                                pages={"enabled": True, "store": str(store),
+                                       "summariser": {"model": "m"}})
+        victim.start()
+        deadline = time.monotonic() + 30
+        while len(server.posts("/v1/chat/completions")) == n_before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    finally:
+        server.close()
+    assert cache_tool.cache.integrity_check() == "ok"
+    assert cache_tool.execute("capital of france").text == expected  # replayed offline

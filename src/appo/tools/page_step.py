@@ -140,8 +140,10 @@ class PageStep:
         if not self.live:
             return Fetched(False, "not in the cache (miss_policy 'fail')", transient=True)
         got = self.fetcher.fetch(url)
-        if self.cache is not None and not got.transient:
-            self.cache.put(backend, self.fetch_key, url, got.to_json(), key=url)
+        if self.cache is not None and not got.transient and not self.cache.put(
+                backend, self.fetch_key, url, got.to_json(), key=url):
+            stored = self.cache.get(backend, self.fetch_key, url, key=url)  # first one wins
+            return Fetched.from_json(stored) if stored is not None else got
         return got
 
     def fetch_all(self, hits: Sequence[Hit]) -> list[PageDoc]:
@@ -180,8 +182,11 @@ class PageStep:
         except SummariserError as e:
             return ToolResult(f"Error: {e}.", ok=False,
                               error_kind="infra" if e.retryable else "error")
-        if self.cache is not None:
-            self.cache.put("summary", params, query, output, key=key)
+        if self.cache is not None and not self.cache.put("summary", params, query, output,
+                                                         key=key):
+            # another process stored this summary first: use its text, which is what a
+            # replay will return
+            output = self.cache.get("summary", params, query, key=key) or output
         return ToolResult(extract_final_information(output))
 
     def close(self) -> None:

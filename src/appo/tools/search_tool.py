@@ -151,8 +151,10 @@ class SearchTool:
                 hits = self.backend.hits(query, self.max_results)
             except BackendError as e:
                 return ToolResult(f"Error: search failed ({e}).", ok=False, error_kind=e.kind)
-            if self.cache is not None:
-                self.cache.put(backend, self.key_params, query, hits_to_json(hits))
+            if self.cache is not None and not self.cache.put(backend, self.key_params, query,
+                                                             hits_to_json(hits)):
+                raw = self.cache.get(backend, self.key_params, query)  # first one wins
+                hits = hits_from_json(raw) if raw is not None else hits
         else:
             hits = hits_from_json(raw)
         if not hits:
