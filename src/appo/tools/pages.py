@@ -252,7 +252,10 @@ class HttpFetcher:
             return Fetched(False, f"cannot fetch ({reason})", transient=True)
         if "pdf" in ctype:
             return Fetched(False, "PDF pages are not read")
-        text = body.decode(charset, "replace")
+        try:
+            text = body.decode(charset, "replace")
+        except LookupError:  # a charset name Python does not know
+            text = body.decode("utf-8", "replace")
         if "html" in ctype or text.lstrip()[:1] == "<":
             text = html_to_text(text)
         return Fetched(True, text[: self.max_page_chars])
