@@ -17,6 +17,9 @@ It knows nothing of tools, rewards or strategies. Operations:
   servers of the openai engine) loads `model`'s current weights; the trainer calls it
   before the first rollout and after every update. The hf engine samples from the
   trainer's module itself and has none.
+- `drop_weight_copies()` (optional): free weight copies only the engine's decode path uses
+  (the hf engine's packed / transposed matrices); the trainer calls it after each training
+  rollout, since the update is about to change every weight they copy.
 
 `counters` (tokens prefilled / decoded / reused) are cumulative; callers diff them. The row
 operations are implemented once, in `appo.rollout.rows`, for every engine.

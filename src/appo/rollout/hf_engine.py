@@ -83,6 +83,9 @@ class _TransposedLinears:
             self._copies[id(layer)] = cached
         return cached[2]
 
+    def drop(self) -> None:
+        self._copies.clear()
+
     def __enter__(self):
         for layer in self.layers:
             wt = self._weight_t(layer)
@@ -171,6 +174,15 @@ class HFEngine(TableRows):
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
+
+    def drop_weight_copies(self) -> None:
+        """Free the decode path's weight copies (packed or transposed; rebuilt on the next
+        forward). The trainer calls this after each training rollout: the update changes every
+        weight, so the copies would be rebuilt anyway, and the update runs without them."""
+        if self._lean is not None:
+            self._lean.drop()
+        if self._linears is not None:
+            self._linears.drop()
 
     # ------------------------------------------------------------------ forward helpers
     def _alloc(self, rows: int, capacity: int) -> Tensor:

@@ -91,6 +91,9 @@ class RLTrainer:
         with timer.measure("rollout"):
             rollout, by_uid = self.rollout(self.batch_for_step(self.step), f"s{self.step}",
                                            step_seed)
+            # The update changes every weight: decode-only copies would be rebuilt anyway.
+            if hasattr(self.engine, "drop_weight_copies"):
+                self.engine.drop_weight_copies()
         with timer.measure("reward"):
             mine = rollout.trajectories
             rewards = self.score(mine, by_uid)

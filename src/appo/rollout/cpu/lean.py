@@ -153,6 +153,10 @@ class LeanDecoder:
             ))
         self._layers = layers
 
+    def drop(self) -> None:
+        """Free the packed copies; the next forward packs them again."""
+        self._layers, self._key = [], None
+
     def refresh(self) -> None:
         key = self._version_key()
         if key != self._key:
