@@ -40,13 +40,13 @@ from appo.algos.advantages import (
     reinforce_plus_plus_advantage,
     rloo_advantage,
 )
+from appo.algos.aggregation import AGG_MODES, LossAgg, MaskedStats, aggregate, token_share
 from appo.algos.gae import (
     clipped_value_loss,
     gae_advantages_and_returns,
     masked_whiten,
     outcome_token_rewards,
 )
-from appo.algos.aggregation import AGG_MODES, LossAgg, MaskedStats, aggregate, token_share
 from appo.algos.kl import KL_ESTIMATORS, entropy_bonus, kl_loss
 from appo.algos.logprobs import (
     logprobs_and_entropy_direct,
