@@ -160,3 +160,26 @@ def test_reward_rises_with_gae_on_learnable_behaviour(toy):
     assert last > first + 0.1, rewards  # measured: about 0.23 -> 0.41
     vf = [h["critic/vf_loss"] for h in history]
     assert sum(vf[-3:]) < sum(vf[:3]), vf  # the critic fits the returns (0.53 -> 0.12)
+
+
+def test_two_process_critic_matches_single_process(tmp_path):
+    from test_trainer_rl import _accelerate_launch
+
+    from appo.trainer.distributed import DataParallel
+
+    out = tmp_path / "critic.pt"
+    r = _accelerate_launch(str(Path(__file__).parent / "ddp_critic_worker.py"), str(out),
+                           str(Path(__file__).parent))
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = torch.load(out)
+    critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    rows = fixed_critic_rows(tok, n=8, branch_row=True)
+    values = critic.values(rows, list(range(len(rows))), DataParallel())
+    assert torch.allclose(dist["values"], values, atol=1e-5)
+    single = critic.update(rows)
+    assert single["critic/vf_loss"] == pytest.approx(
+        dist["metrics"]["critic/vf_loss"], rel=1e-5)
+    assert dist["metrics"]["critic/grad_norm"] == pytest.approx(single["critic/grad_norm"],
+                                                                rel=1e-5)
+    for name, p in critic.model.named_parameters():
+        assert torch.allclose(dist["params"][name], p, atol=1e-5), name
