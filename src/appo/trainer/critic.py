@@ -116,7 +116,9 @@ class Critic:
                                 f"of {len(lm.tokenizer)} tokens, the policy {len(policy_lm.tokenizer)}"
                                 "; the critic must read the policy's token ids")
             backbone = lm.model
-        backbone.requires_grad_(True)
+            if cfg.model.enable_gradient_checkpointing:  # the copy above inherits it
+                backbone.gradient_checkpointing_enable()
+        backbone.requires_grad_(True)  # actor.freeze_embeddings is the policy's
         return cls(ValueModel(backbone), cfg, total_steps, compute_dtype)
 
     def part(self) -> TrainedPart:
