@@ -183,3 +183,37 @@ def test_two_process_critic_matches_single_process(tmp_path):
                                                                 rel=1e-5)
     for name, p in critic.model.named_parameters():
         assert torch.allclose(dist["params"][name], p, atol=1e-5), name
+
+
+def test_critic_from_another_model_spec_and_bad_inputs(tmp_path):
+    from appo.errors import AppoError
+
+    critic, _ = make_critic("critic.model.path=tiny-test")
+    assert isinstance(critic.model.value_head, torch.nn.Linear)
+    with pytest.raises(AppoError):
+        make_critic(f"critic.model.path={tmp_path / 'no-such-model'}")
+    cfg = load_config(overrides=["model.path=tiny-test", "algorithm.adv_estimator=gae"])
+    with pytest.raises(AppoError, match="fsdp"):
+        Critic.from_config(cfg, load_model("tiny-test"), total_steps=1, fsdp=True)
+    with pytest.raises(AppoError, match="algorithm.lam"):
+        load_config(overrides=["algorithm.lam=1.5"])
+
+
+def test_two_process_gae_training_run_completes(toy):
+    import json
+
+    from test_trainer_rl import _accelerate_launch
+
+    run = toy["dir"] / "ddp_gae"
+    r = _accelerate_launch(
+        "-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
+        "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
+        f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo", "rollout.n=4",
+        "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+        "algorithm.adv_estimator=gae", f"trainer.default_local_dir={run}",
+        "trainer.logger=[jsonl]", "trainer.parallel=ddp", "trainer.total_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["critic/vf_loss"] > 0 for row in rows)
+    assert (run / "global_step_2" / "critic" / "model.safetensors").is_file()
