@@ -113,8 +113,9 @@ class Critic:
                             trust_remote_code=cfg.model.trust_remote_code)
             if len(lm.tokenizer) != len(policy_lm.tokenizer):
                 raise AppoError(f"critic.model.path {cfg.critic.model.path!r} has a vocabulary "
-                                f"of {len(lm.tokenizer)} tokens, the policy {len(policy_lm.tokenizer)}"
-                                "; the critic must read the policy's token ids")
+                                f"of {len(lm.tokenizer)} tokens, the policy "
+                                f"{len(policy_lm.tokenizer)}; the critic must read the policy's "
+                                "token ids")
             backbone = lm.model
             if cfg.model.enable_gradient_checkpointing:  # the copy above inherits it
                 backbone.gradient_checkpointing_enable()

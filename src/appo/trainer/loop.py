@@ -3,10 +3,10 @@
 One step (`RLTrainer.train_step`), each hand-off a typed record:
     examples (`RLExample`) -> rollout (`RolloutBatch` of `Trajectory`) -> rewards
     (`RewardOutput`, `Trajectory.reward`) -> `TrainBatch` (tensors, built once) ->
-    values (only with a critic: `appo.trainer.critic`) -> advantages -> reference log-probs (only with a KL term) -> old log-probs (only when the
-    update is off-policy: several epochs or mini-batches) -> update (`appo.trainer.update`,
-    then the critic's) -> metrics, rollout dump,
-    checkpoint, validation.
+    values (only with a critic: `appo.trainer.critic`) -> advantages -> reference log-probs
+    (only with a KL term) -> old log-probs (only when the update is off-policy: several
+    epochs or mini-batches) -> update (`appo.trainer.update`, then the critic's) -> metrics,
+    rollout dump, checkpoint, validation.
 
 Deviations from the original (verl) and why:
 - The hf rollout engine shares the policy's weights in memory, so on one process there is no
@@ -42,8 +42,8 @@ from appo.trainer.rundir import discard_unused_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
-                "rollout/branches", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "time/step",
-                "val/pass@1"]
+                "rollout/branches", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
+                "time/step", "val/pass@1"]
 PLOT_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
              "rollout/branches", "rollout/entropy", "rollout/response_len", "actor/pg_loss",
              "actor/grad_norm", "actor/kl", "val/pass@1", "time/step"]
