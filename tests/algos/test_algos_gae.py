@@ -144,6 +144,10 @@ def test_gae_estimator_in_the_registry():
     assert torch.equal(adv, want)
     assert adv[mask.bool()].mean().abs() < 1e-6
     assert "returns_mean" in metrics
+    # Values equal to the returns (gamma = lam = 1: the score) explain all their variance.
+    exact = torch.where(mask.bool(), scores[:, None], 0.0)
+    _, m = ADV_ESTIMATORS["gae"](scores, mask, ["a", "a"], params=AdvantageParams(), values=exact)
+    assert m["vf_explained_var"] == pytest.approx(1.0)
     with pytest.raises(AppoError, match="value model"):
         ADV_ESTIMATORS["gae"](scores, mask, ["a", "a"], params=params)
     with pytest.raises(AppoError, match="algorithm.lam"):

@@ -383,9 +383,15 @@ def gae_advantage(
                                               whiten=params.gae_whiten)
     valid = response_mask.bool()
     n = max(float(valid.sum()), 1.0)
+    ret, val = returns[valid].double(), values.cpu().double()[valid]
+    # How much of the returns' variance the values explain (1: perfect, <= 0: no better
+    # than their mean), over the batch's decision tokens.
+    ret_var = float(ret.var(unbiased=False)) if ret.numel() else 0.0
+    explained = (1.0 - float((ret - val).var(unbiased=False)) / ret_var) if ret_var > 0 else 0.0
     metrics = {"score_mean": float(scores.double().mean()),
-               "returns_mean": float(returns[valid].sum()) / n,
-               "values_mean": float(values.cpu().float()[valid].sum()) / n}
+               "returns_mean": float(ret.sum()) / n,
+               "values_mean": float(val.sum()) / n,
+               "vf_explained_var": explained}
     return adv, metrics
 
 
