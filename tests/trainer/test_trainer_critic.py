@@ -197,6 +197,8 @@ def test_critic_from_another_model_spec_and_bad_inputs(tmp_path):
         Critic.from_config(cfg, load_model("tiny-test"), total_steps=1, fsdp=True)
     with pytest.raises(AppoError, match="algorithm.lam"):
         load_config(overrides=["algorithm.lam=1.5"])
+    with pytest.raises(AppoError, match="critic.cliprange_value"):
+        load_config(overrides=["critic.cliprange_value=0"])
 
 
 def test_two_process_gae_training_run_completes(toy):
