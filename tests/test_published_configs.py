@@ -210,5 +210,21 @@ def test_published_config_equals_original(name):
 
 
 def test_every_published_config_is_checked():
-    shipped = {p.name for p in CONFIGS.glob("*.yaml")} - {"demo.yaml"}
+    shipped = {p.name for p in CONFIGS.glob("*.yaml")} - {"demo.yaml", "ppo_demo.yaml"}
     assert shipped == set(EXPECTED)
+
+
+def test_ppo_demo_is_the_demo_rl_stage_with_gae():
+    """configs/ppo_demo.yaml differs from the demo's RL stage only in the advantage estimator,
+    its value model and the run directories."""
+    from appo.config import to_container
+
+    demo = to_container(load_config(str(CONFIGS / "demo.yaml")))
+    ppo = to_container(load_config(str(CONFIGS / "ppo_demo.yaml")))
+    for section in ("model", "data", "tools", "rollout", "actor", "eval"):
+        assert ppo[section] == demo[section], section
+    for key in ("total_steps", "test_freq", "save_freq"):
+        assert ppo["trainer"][key] == demo["trainer"][key]
+    assert ppo["algorithm"]["adv_estimator"] == "gae"
+    assert (ppo["algorithm"]["gamma"], ppo["algorithm"]["lam"]) == (1.0, 1.0)
+    assert ppo["critic"]["cliprange_value"] == 0.5 and ppo["critic"]["model"]["path"] is None

@@ -29,6 +29,8 @@ from appo.config_schema import (  # noqa: F401  (re-exported: appo.config is the
     ActorConfig,
     AlgorithmConfig,
     AppoConfig,
+    CriticConfig,
+    CriticModelConfig,
     CustomRewardConfig,
     DataConfig,
     EvalConfig,
@@ -152,7 +154,9 @@ def _validate(cfg: DictConfig) -> None:
         if value < 1:
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 1)")
     # Unset (null) means "derive it": total_steps from the epochs.
-    for key in ["trainer.total_steps", "trainer.total_epochs", "data.max_prompt_length"]:
+    for key in ["trainer.total_steps", "trainer.total_epochs", "data.max_prompt_length",
+                "critic.ppo_epochs", "critic.ppo_mini_batch_size",
+                "critic.ppo_max_token_len_per_device"]:
         value = OmegaConf.select(cfg, key)
         if value is not None and value < 1:
             hint = ": a run of no steps trains nothing" if key.startswith("trainer.") else ""
@@ -162,7 +166,11 @@ def _validate(cfg: DictConfig) -> None:
         if value < 0:  # samplers treat any value <= 0 as greedy: a sign slip would hide
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 0; "
                             "0 is greedy)")
-    for key in ["rollout.branch_probability", "rollout.top_p", "eval.top_p"]:
+    if cfg.critic.cliprange_value <= 0:  # clamp(-c, c) needs c > 0
+        raise AppoError(f"bad value for config key 'critic.cliprange_value': "
+                        f"{cfg.critic.cliprange_value!r} (must be > 0)")
+    for key in ["rollout.branch_probability", "rollout.top_p", "eval.top_p", "algorithm.gamma",
+                "algorithm.lam"]:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be in [0, 1])")

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 __all__ = [
     "CHOICES", "LIST_CHOICES", "MISSING", "ActorConfig", "AlgorithmConfig", "AppoConfig",
+    "CriticConfig", "CriticModelConfig",
     "CustomRewardConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimConfig",
     "RolloutConfig", "SFTConfig", "ToolInstanceConfig", "ToolsConfig", "TrainerConfig",
 ]
@@ -142,6 +143,12 @@ class AlgorithmConfig:
     appo_discount_credit: bool = False
     # APPO branch-credit discount (with appo_discount_credit); the original reads it here.
     reward_scale_discount: float = 0.9
+    # gae (PPO with a value model, the `critic` section): discount and GAE lambda per
+    # decision token (tool-result tokens are skipped), verl's defaults; gae_whiten whitens
+    # the advantages over the batch's loss-mask tokens, as verl always does.
+    gamma: float = 1.0
+    lam: float = 1.0
+    gae_whiten: bool = True
 
 
 @dataclass
@@ -195,6 +202,27 @@ class ActorConfig:
     # place (small updates such as lr 1e-6 steps then mostly round away).
     fp32_master_weights: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    # Any appo.models spec for the value model's backbone; null: model.path (the policy's).
+    path: str | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algorithm.adv_estimator=gae (built only then): a backbone with a
+    fresh scalar head, trained with verl's clipped value loss after each rollout."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cliprange_value: float = 0.5
+    # null: the actor's value (actor.ppo_epochs, actor.ppo_mini_batch_size, ...)
+    ppo_epochs: int | None = None
+    ppo_mini_batch_size: int | None = None
+    ppo_max_token_len_per_device: int | None = None
+    grad_clip: float = 1.0
 
 
 @dataclass
@@ -268,6 +296,7 @@ class AppoConfig:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -286,7 +315,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),
-    "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo"),
+    "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo", "gae"),
     "actor.policy_loss": ("vanilla", "entropy_balanced", "future_kl"),
     "actor.loss_agg_mode": (
         "token-mean",

@@ -29,7 +29,8 @@ def test_every_estimator_takes_the_same_call():
     mask = torch.ones(4, 3)
     tree = BranchTree(torch.tensor([-1, -1, 0, -1]), torch.tensor([-1, -1, 1, -1]))
     for name, fn in ADV_ESTIMATORS.items():
-        adv, metrics = fn(scores, mask, ["a", "a", "a", "b"], params=AdvantageParams(), tree=tree)
+        adv, metrics = fn(scores, mask, ["a", "a", "a", "b"], params=AdvantageParams(), tree=tree,
+                          values=torch.zeros(4, 3))
         assert adv.shape == (4, 3), name
         assert adv.dtype == torch.float32, name
         assert all(isinstance(v, float) for v in metrics.values()), name

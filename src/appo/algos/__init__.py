@@ -3,7 +3,8 @@
 No models, no config objects: tensors and scalars in, `(value, metrics)` out. Four
 registries, whose names are the config choices (`appo.config.CHOICES`):
 
-- `ADV_ESTIMATORS` (`algorithm.adv_estimator`): grpo, rloo, reinforce_plus_plus, appo.
+- `ADV_ESTIMATORS` (`algorithm.adv_estimator`): grpo, rloo, reinforce_plus_plus, appo, gae
+  (the last reads a value model's `values`; its clipped value loss is `clipped_value_loss`).
 - `POLICY_LOSSES` (`actor.policy_loss`): vanilla, entropy_balanced, future_kl.
 - `KL_ESTIMATORS` (`actor.kl_loss_type`): k1, k2, k3, low_var_kl.
 - `AGG_MODES` (`actor.loss_agg_mode`): token-mean, seq-mean-token-sum, seq-mean-token-mean,
@@ -33,12 +34,19 @@ from appo.algos.advantages import (
     BranchTree,
     appo_advantage,
     entropy_aware_advantage,
+    gae_advantage,
     group_index,
     grpo_advantage,
     reinforce_plus_plus_advantage,
     rloo_advantage,
 )
 from appo.algos.aggregation import AGG_MODES, LossAgg, MaskedStats, aggregate, token_share
+from appo.algos.gae import (
+    clipped_value_loss,
+    gae_advantages_and_returns,
+    masked_whiten,
+    outcome_token_rewards,
+)
 from appo.algos.kl import KL_ESTIMATORS, entropy_bonus, kl_loss
 from appo.algos.logprobs import (
     logprobs_and_entropy_direct,
@@ -67,17 +75,22 @@ __all__ = [
     "PolicyLossParams",
     "aggregate",
     "appo_advantage",
+    "clipped_value_loss",
     "discounted_future_sum",
     "entropy_aware_advantage",
     "entropy_balanced_policy_loss",
     "entropy_bonus",
     "future_kl_kept_rows",
     "future_kl_policy_loss",
+    "gae_advantage",
+    "gae_advantages_and_returns",
     "group_index",
     "grpo_advantage",
     "kl_loss",
     "logprobs_and_entropy_direct",
     "logprobs_and_entropy_from_logits",
+    "masked_whiten",
+    "outcome_token_rewards",
     "reinforce_plus_plus_advantage",
     "rloo_advantage",
     "token_logprobs_and_entropy",

@@ -3,7 +3,8 @@
 Every estimator has one calling convention, so the trainer picks one from `ADV_ESTIMATORS`
 by `algorithm.adv_estimator`:
 
-    adv, metrics = ADV_ESTIMATORS[name](scores, response_mask, groups, params=..., tree=...)
+    adv, metrics = ADV_ESTIMATORS[name](scores, response_mask, groups, params=..., tree=...,
+                                        values=...)
 
 - scores `[B]`: outcome score per trajectory (sum of its token rewards).
 - response_mask `[B, T]`: 1 on the response tokens that receive an advantage (normally the
@@ -11,6 +12,7 @@ by `algorithm.adv_estimator`:
 - groups: prompt id per row -- a list/array of uid strings or ints, or an int tensor `[B]`.
   Groups are found by id, never by reshaping, so they may have any sizes and any order.
 - tree: `BranchTree` (branch provenance); only `appo` reads it.
+- values: `[B, T]` value-model estimates (response-aligned); only `gae` reads them.
 - Returns `adv [B, T]` (float32) and a dict of float metrics.
 
 Estimators:
@@ -23,6 +25,9 @@ Estimators:
   `reinforce_plus_plus_baseline`): `s - mean_group(s)` (0 for a group of one), broadcast to
   tokens, then whitened over all valid tokens of the batch (unbiased std).
 - `appo` (APPO tree credit, docs/algorithms.md §2.4 appo.5, §3.4): see `appo_advantage`.
+- `gae` (PPO with a value model, Schulman et al. 1506.02438; docs/algorithms.md §3.6): reads
+  `values` `[B, T]` (the critic's); tool-result tokens are skipped by the recursion
+  (`appo.algos.gae`).
 
 `entropy_aware_advantage` is AEPO's (2510.14545) token-level transform, applied in the loss
 step after the estimator because it needs the current policy's entropy.
@@ -38,6 +43,7 @@ import torch
 from torch import Tensor
 
 from appo.algos.aggregation import MaskedStats
+from appo.algos.gae import gae_advantages_and_returns, outcome_token_rewards
 from appo.errors import AppoError
 
 __all__ = [
@@ -47,6 +53,7 @@ __all__ = [
     "Groups",
     "appo_advantage",
     "entropy_aware_advantage",
+    "gae_advantage",
     "group_index",
     "grpo_advantage",
     "reinforce_plus_plus_advantage",
@@ -63,9 +70,15 @@ class AdvantageParams:
     norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std (grpo only)
     appo_discount_credit: bool = False  # algorithm.appo_discount_credit
     reward_scale_discount: float = 0.9  # algorithm.reward_scale_discount
+    gamma: float = 1.0  # algorithm.gamma (gae)
+    lam: float = 1.0  # algorithm.lam (gae)
+    gae_whiten: bool = True  # algorithm.gae_whiten
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise AppoError(f"algorithm.{key} must be in [0, 1], got {getattr(self, key)}")
         if not 0.0 < self.reward_scale_discount <= 1.0:
             raise AppoError(
                 f"algorithm.reward_scale_discount must be in (0, 1], got {self.reward_scale_discount}"
@@ -198,6 +211,7 @@ def grpo_advantage(
     *,
     params: AdvantageParams = AdvantageParams(),
     tree: BranchTree | None = None,
+    values: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO / Dr.GRPO outcome advantage. scores `[B]`, response_mask `[B, T]` -> `[B, T]`."""
     _check_inputs(scores, response_mask)
@@ -222,6 +236,7 @@ def rloo_advantage(
     *,
     params: AdvantageParams = AdvantageParams(),
     tree: BranchTree | None = None,
+    values: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE leave-one-out. scores `[B]`, response_mask `[B, T]` -> `[B, T]`."""
     _check_inputs(scores, response_mask)
@@ -243,6 +258,7 @@ def reinforce_plus_plus_advantage(
     *,
     params: AdvantageParams = AdvantageParams(),
     tree: BranchTree | None = None,
+    values: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """REINFORCE++ with a group-mean baseline, whitened over the batch's valid tokens.
     scores `[B]`, response_mask `[B, T]` -> `[B, T]`."""
@@ -270,6 +286,7 @@ def appo_advantage(
     *,
     params: AdvantageParams = AdvantageParams(),
     tree: BranchTree | None = None,
+    values: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """APPO tree credit. scores `[B]`, response_mask `[B, T]`, tree -> `[B, T]`.
 
@@ -343,6 +360,41 @@ def appo_advantage(
     return adv, metrics
 
 
+def gae_advantage(
+    scores: Tensor,
+    response_mask: Tensor,
+    groups: Groups,
+    *,
+    params: AdvantageParams = AdvantageParams(),
+    tree: BranchTree | None = None,
+    values: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's GAE with a value model. scores `[B]`, response_mask `[B, T]`, values `[B, T]` ->
+    `[B, T]`: the score is the reward of the last `response_mask=1` token, the recursion runs
+    over the decision tokens only (`appo.algos.gae`, docs/algorithms.md §3.6); groups are not
+    used."""
+    _check_inputs(scores, response_mask)
+    if values is None:
+        raise AppoError("algorithm.adv_estimator=gae needs values from a value model (the "
+                        "critic); the trainer builds one for it")
+    token_rewards = outcome_token_rewards(scores, response_mask)
+    adv, returns = gae_advantages_and_returns(token_rewards, values.cpu(), response_mask,
+                                              gamma=params.gamma, lam=params.lam,
+                                              whiten=params.gae_whiten)
+    valid = response_mask.bool()
+    n = max(float(valid.sum()), 1.0)
+    ret, val = returns[valid].double(), values.cpu().double()[valid]
+    # How much of the returns' variance the values explain (1: perfect, <= 0: no better
+    # than their mean), over the batch's decision tokens.
+    ret_var = float(ret.var(unbiased=False)) if ret.numel() else 0.0
+    explained = (1.0 - float((ret - val).var(unbiased=False)) / ret_var) if ret_var > 0 else 0.0
+    metrics = {"score_mean": float(scores.double().mean()),
+               "returns_mean": float(ret.sum()) / n,
+               "values_mean": float(val.sum()) / n,
+               "vf_explained_var": explained}
+    return adv, metrics
+
+
 AdvantageFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {
@@ -350,6 +402,7 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
     "rloo": rloo_advantage,
     "reinforce_plus_plus": reinforce_plus_plus_advantage,
     "appo": appo_advantage,
+    "gae": gae_advantage,
 }
 
 

@@ -49,6 +49,8 @@ class TrainBatch:
     advantages:  `[B, R]` float, filled by `compute_advantages`
     old_logp / ref_logp: `[B, R]` float, behaviour policy of the update (only when the update
                  is off-policy) and reference policy (only with a KL term)
+    values / returns: `[B, R]` float, the critic's values before the update and its value
+                 targets (only with `algorithm.adv_estimator=gae`, `appo.trainer.critic`)
     """
 
     uids: list[str]
@@ -63,6 +65,8 @@ class TrainBatch:
     advantages: Tensor | None = None
     old_logp: Tensor | None = None
     ref_logp: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
     @classmethod
     def collate(cls, trajs: list[Trajectory], pad_id: int) -> TrainBatch:
@@ -125,13 +129,13 @@ def compute_advantages(batch: TrainBatch, estimator: str,
     """`batch` with `advantages` `[B, R]` filled (nonzero on `loss_mask=1` tokens only).
 
     The estimator sees every row of the groups (all ranks' rows, before `select`); `appo`
-    also reads the branch tree.
+    also reads the branch tree, `gae` the critic's `values`.
     """
     if len(batch) == 0:
         return replace(batch, advantages=torch.zeros_like(batch.loss_mask)), {}
     tree = batch.tree() if estimator == "appo" else None
     adv, metrics = ADV_ESTIMATORS[estimator](batch.rewards, batch.loss_mask, batch.uids,
-                                             params=params, tree=tree)
+                                             params=params, tree=tree, values=batch.values)
     return replace(batch, advantages=adv.to(torch.float32)), metrics
 
 

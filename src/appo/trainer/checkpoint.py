@@ -4,6 +4,8 @@ Layout under `trainer.default_local_dir`:
     global_step_{N}/            loadable by transformers and vLLM as is (config, safetensors,
                                 tokenizer, chat template)
     global_step_{N}/trainer_state.pt   optimizer, scheduler, RNG states, step, data order
+    global_step_{N}/<part>/     a trained part besides the policy (`TrainedPart`, e.g. the
+                                critic): model.safetensors and state.pt (optimizer, scheduler)
     global_step_{N}/manifest.json      size and sha256 of every file, written last
     latest                      text file naming the newest checkpoint written
 
@@ -21,6 +23,7 @@ import hashlib
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,40 @@ from appo.fsutil import atomic_dir, atomic_write_text, is_write_failure, write_e
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+PART_WEIGHTS = "model.safetensors"
+PART_STATE = "state.pt"
+
+
+@dataclass
+class TrainedPart:
+    """A module trained beside the policy (the critic), with its optimizer and scheduler;
+    saved in `global_step_N/<name>/` and restored on resume."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_model
+
+        path.mkdir()
+        save_model(self.module, str(path / PART_WEIGHTS))  # tied weights stored once
+        torch.save({"optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict() if self.scheduler else None},
+                   path / PART_STATE)
+
+    def load(self, path: Path, checkpoint: Path) -> None:
+        from safetensors.torch import load_model
+
+        if not (path / PART_WEIGHTS).is_file():
+            raise AppoError(f"checkpoint {checkpoint} has no {path.name} (written by a run "
+                            f"without one); resume it with the same algorithm settings")
+        missing, unexpected = load_model(self.module, str(path / PART_WEIGHTS), strict=False)
+        check_keys(path, list(missing), list(unexpected))
+        state = torch.load(path / PART_STATE, map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,9 +99,10 @@ def save_checkpoint(
     scheduler=None,
     extra: dict[str, Any] | None = None,
     optimizer_state: dict[str, Any] | None = None,
+    parts: dict[str, TrainedPart] | None = None,
 ) -> Path:
     """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
-    passes the gathered whole-model state)."""
+    passes the gathered whole-model state); `parts` go to their own subdirectories."""
     root = Path(root)
     final = root / f"global_step_{step}"
     try:
@@ -84,6 +122,8 @@ def save_checkpoint(
                     },
                     tmp / STATE_FILE,
                 )
+                for name, part in (parts or {}).items():
+                    part.save(tmp / name)
                 write_manifest(tmp, step)
             except Exception as e:
                 # Named while the partial files still fill the disk (write_error's docstring).
@@ -209,11 +249,13 @@ def check_keys(path: Any, missing: list[str], unexpected: list[str]) -> None:
 
 def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = False,
                     rollout_model=None, announce: bool = True,
-                    config: dict[str, Any] | None = None) -> int:
+                    config: dict[str, Any] | None = None,
+                    parts: dict[str, TrainedPart] | None = None) -> int:
     """Load the newest valid checkpoint under `root` into the model, optimizer and
     scheduler; returns its step (0 when there is none). Under FSDP `model` is sharded and
     `rollout_model` is the whole replica the weights are loaded into first. `config` (the
-    run's config as a dict) is compared with the checkpoint's: one warning per changed key."""
+    run's config as a dict) is compared with the checkpoint's: one warning per changed key.
+    `parts` (e.g. the critic) are restored from their subdirectories."""
     from appo.trainer.fsdp import load_full_states
 
     path, loaded, skipped = find_checkpoint(root, load=True)
@@ -239,6 +281,8 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
         check_keys(path, *model.load_state_dict(state, strict=False))
         optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
+    for name, part in (parts or {}).items():
+        part.load(path / name, path)
     step = int(trainer_state["step"])
     if announce:
         print(f"appo: resumed from {path} at step {step}")

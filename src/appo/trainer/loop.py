@@ -3,9 +3,10 @@
 One step (`RLTrainer.train_step`), each hand-off a typed record:
     examples (`RLExample`) -> rollout (`RolloutBatch` of `Trajectory`) -> rewards
     (`RewardOutput`, `Trajectory.reward`) -> `TrainBatch` (tensors, built once) ->
-    advantages -> reference log-probs (only with a KL term) -> old log-probs (only when the
-    update is off-policy: several epochs or mini-batches) -> update (`appo.trainer.update`) -> metrics, rollout dump,
-    checkpoint, validation.
+    values (only with a critic: `appo.trainer.critic`) -> advantages -> reference log-probs
+    (only with a KL term) -> old log-probs (only when the update is off-policy: several
+    epochs or mini-batches) -> update (`appo.trainer.update`, then the critic's) -> metrics,
+    rollout dump, checkpoint, validation.
 
 Deviations from the original (verl) and why:
 - The hf rollout engine shares the policy's weights in memory, so on one process there is no
@@ -31,6 +32,7 @@ import torch
 from appo.algos import AdvantageParams
 from appo.errors import AppoError, warn_once
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
+from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
@@ -40,8 +42,8 @@ from appo.trainer.rundir import discard_unused_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
-                "rollout/branches", "actor/pg_loss", "actor/grad_norm", "time/step",
-                "val/pass@1"]
+                "rollout/branches", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
+                "time/step", "val/pass@1"]
 PLOT_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
              "rollout/branches", "rollout/entropy", "rollout/response_len", "actor/pg_loss",
              "actor/grad_norm", "actor/kl", "val/pass@1", "time/step"]
@@ -99,12 +101,16 @@ class RLTrainer:
             rewards = self.score(mine, by_uid)
         # Whole groups are needed for advantages: gather every rank's trajectories.
         everyone = self.dp.gather_objects(mine)
+        batch = TrainBatch.collate(everyone, self.pad_id)
+        ids = {t.traj_id for t in mine}
+        own = [i for i, tid in enumerate(batch.traj_ids) if tid in ids]
+        if self.critic is not None:  # GAE's values: before any update, every rank's rows
+            with timer.measure("values"):
+                batch.values = self.critic.values(batch, own, self.dp)
         with timer.measure("advantage"):
-            batch, adv_metrics = compute_advantages(TrainBatch.collate(everyone, self.pad_id),
-                                                    self.cfg.algorithm.adv_estimator,
+            batch, adv_metrics = compute_advantages(batch, self.cfg.algorithm.adv_estimator,
                                                     self.adv_params)
-            ids = {t.traj_id for t in mine}
-            train = batch.select([i for i, tid in enumerate(batch.traj_ids) if tid in ids])
+            train = batch.select(own)
         if self.ref_model is not None:
             with timer.measure("ref_logp"):
                 train.ref_logp = self._logprobs(self.ref_model, train)
@@ -116,6 +122,9 @@ class RLTrainer:
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp, temperature=self.train_temperature,
                                    compute_dtype=self.compute_dtype)
+        if self.critic is not None:
+            with timer.measure("critic_update"):
+                update.update(self.critic.update(train, self.dp))
         self._rollout_stale = True
         all_rewards = self.dp.gather_objects(rewards)
         metrics = rollout_metrics(everyone, all_rewards, rollout.stats)
@@ -266,7 +275,11 @@ class RLTrainer:
             return None
         return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
                                self.optimizer, self.scheduler, extra=extra,
-                               optimizer_state=optimizer_state)
+                               optimizer_state=optimizer_state, parts=self._parts())
+
+    def _parts(self) -> dict:
+        """Trained modules besides the policy, for checkpoints: the critic, if any."""
+        return {"critic": self.critic.part()} if self.critic is not None else {}
 
     # ------------------------------------------------------------------ set-up
     def __init__(self, cfg: Any, lm=None, progress: bool = True):
@@ -361,6 +374,7 @@ class RLTrainer:
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
             appo_discount_credit=cfg.algorithm.appo_discount_credit,
             reward_scale_discount=cfg.algorithm.reward_scale_discount,
+            gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, gae_whiten=cfg.algorithm.gae_whiten,
         )
         o = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
@@ -368,13 +382,17 @@ class RLTrainer:
             lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
         )
         self.scheduler = self._make_scheduler()
+        # PPO's value model, from the policy's starting weights or critic.model.path.
+        self.critic = (Critic.from_config(cfg, self.lm, self.total_steps, self.fsdp,
+                                          self.compute_dtype) if uses_critic(cfg) else None)
         self.step = 0
         if cfg.trainer.resume:
             from appo.config import to_container
 
             self.step = resume_training(self.out_dir, self.model, self.optimizer, self.scheduler,
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
-                                        announce=self.dp.is_main, config=to_container(cfg))
+                                        announce=self.dp.is_main, config=to_container(cfg),
+                                        parts=self._parts())
         # Rows logged after the checkpoint resumed from are redone: drop them.
         self.logger = MetricsLogger(
             self.out_dir, list(cfg.trainer.logger), run_name=cfg.trainer.experiment_name,

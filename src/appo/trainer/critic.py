@@ -1,0 +1,213 @@
+"""The value model of `algorithm.adv_estimator=gae` (PPO's critic), docs/algorithms.md §4.8.
+
+The seed architecture's `CriticWorker`: a backbone from any `appo.models` spec
+(`critic.model.path`; null: a copy of the policy's starting weights) with a fresh scalar
+head on its final hidden states. Each step it gives the rollout batch its values (no
+gradient, before the actor update: `values`) and is trained on verl's clipped value loss
+(`update`), batched as the actor is (`appo.trainer.update`): mini-batches of whole prompt
+groups, micro-batches under a token budget with the shared-prefix forward, token-mean
+normalisers counted over the whole mini-batch and every rank, gradients summed over ranks.
+Deviation from verl: the critic is built only for `gae` and is not supported under FSDP yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from appo.algos import (
+    LossAgg,
+    clipped_value_loss,
+    gae_advantages_and_returns,
+    outcome_token_rewards,
+)
+from appo.errors import AppoError
+from appo.trainer.batch import TrainBatch
+from appo.trainer.checkpoint import TrainedPart
+from appo.trainer.distributed import DataParallel
+from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
+from appo.trainer.fsdp import to_float
+from appo.trainer.precision import autocast
+
+
+def uses_critic(cfg: Any) -> bool:
+    """Whether the run needs a value model (only `gae` reads values)."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+class ValueModel(nn.Module):
+    """A causal LM backbone and a scalar head `nn.Linear(hidden, 1)` on its final hidden
+    states (the LM head is not used)."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        param = next(backbone.parameters())
+        self.value_head = nn.Linear(hidden, 1, dtype=param.dtype, device=param.device)
+
+    def response_values(self, batch: TrainBatch, share_prefix: bool = True,
+                        compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """Values `[b, R]` of every response token's state (the position that predicts it)
+        and the response mask `[b, R]` (1 on real response tokens); 0 past each response."""
+        device = next(self.parameters()).device
+        with autocast(device, compute_dtype):
+            hidden = final_hidden_states(self.backbone, batch.input_ids, batch.lengths,
+                                         share_prefix)
+            resp = batch.response_lens
+            j = torch.arange(int(resp.max()) if len(batch) else 0)[None, :]
+            valid = (j < resp[:, None]).to(torch.long)
+            pos = ((batch.prompt_lens[:, None] - 1 + j) * valid).to(device)
+            gathered = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+            values = self.value_head(gathered).squeeze(-1).float()
+        valid = valid.to(device)
+        return values * valid, valid
+
+
+class Critic:
+    """The value model, its AdamW optimizer and LR schedule, and its update schedule."""
+
+    def __init__(self, model: ValueModel, cfg: Any, total_steps: int,
+                 compute_dtype: torch.dtype | None = None):
+        c, a = cfg.critic, cfg.actor
+        self.model = model
+        self.cliprange_value = float(c.cliprange_value)
+        self.grad_clip = float(c.grad_clip)
+        self.epochs = c.ppo_epochs if c.ppo_epochs is not None else a.ppo_epochs
+        self.mini_batch_size = (c.ppo_mini_batch_size if c.ppo_mini_batch_size is not None
+                                else a.ppo_mini_batch_size)
+        self.max_tokens = (c.ppo_max_token_len_per_device
+                           if c.ppo_max_token_len_per_device is not None
+                           else a.ppo_max_token_len_per_device)
+        self.share_prefix = bool(a.share_prefix_forward)
+        self.gamma, self.lam = float(cfg.algorithm.gamma), float(cfg.algorithm.lam)
+        self.compute_dtype = compute_dtype
+        o = c.optim
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
+                                           betas=tuple(o.betas))
+        self.scheduler = _scheduler(self.optimizer, o, total_steps * self.epochs * max(
+            1, math.ceil(cfg.data.train_batch_size / self.mini_batch_size)))
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_lm: Any, total_steps: int, fsdp: bool = False,
+                    compute_dtype: torch.dtype | None = None) -> Critic:
+        """`critic.model.path`'s backbone (null: a copy of the policy model as it is now, before
+        any update: `model.path`'s weights) with a fresh value head."""
+        if fsdp:
+            raise AppoError("algorithm.adv_estimator=gae: the critic does not run under "
+                            "trainer.parallel=fsdp yet; use trainer.parallel=ddp")
+        if cfg.critic.model.path is None:
+            backbone = copy.deepcopy(policy_lm.model)
+        else:
+            from appo.models import load_model
+            from appo.trainer.precision import master_dtype
+
+            lm = load_model(cfg.critic.model.path, dtype=master_dtype(cfg),
+                            device=str(next(policy_lm.model.parameters()).device),
+                            trust_remote_code=cfg.model.trust_remote_code)
+            if len(lm.tokenizer) != len(policy_lm.tokenizer):
+                raise AppoError(f"critic.model.path {cfg.critic.model.path!r} has a vocabulary "
+                                f"of {len(lm.tokenizer)} tokens, the policy "
+                                f"{len(policy_lm.tokenizer)}; the critic must read the policy's "
+                                "token ids")
+            backbone = lm.model
+            if cfg.model.enable_gradient_checkpointing:  # the copy above inherits it
+                backbone.gradient_checkpointing_enable()
+        backbone.requires_grad_(True)  # actor.freeze_embeddings is the policy's
+        return cls(ValueModel(backbone), cfg, total_steps, compute_dtype)
+
+    def part(self) -> TrainedPart:
+        """What a checkpoint saves and a resume restores (`appo.trainer.checkpoint`)."""
+        return TrainedPart(self.model, self.optimizer, self.scheduler)
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, own: list[int], dp: DataParallel) -> Tensor:
+        """Values `[B, R]` of every row of `batch` (0 past each response): each rank computes
+        its `own` rows, then all ranks exchange them."""
+        mine = batch.select(own)
+        plan = plan_shared_microbatches(mine.input_ids, mine.lengths, self.max_tokens,
+                                        mine.uids, self.share_prefix)
+        self.model.eval()
+        rows: list[tuple[str, list[float]]] = []
+        for idx in plan.batches:
+            mb = mine.select(idx)
+            values, _ = self.model.response_values(mb, self.share_prefix, self.compute_dtype)
+            for k, i in enumerate(idx):
+                rows.append((mine.traj_ids[i], values[k, : int(mb.response_lens[k])].tolist()))
+        by_id = dict(dp.gather_objects(rows))
+        out = torch.zeros_like(batch.loss_mask)
+        for i, tid in enumerate(batch.traj_ids):
+            row = by_id[tid]
+            out[i, : len(row)] = torch.tensor(row, dtype=out.dtype)
+        return out
+
+    def update(self, batch: TrainBatch, dp: DataParallel | None = None) -> dict[str, float]:
+        """`epochs` x mini-batches of this rank's rows (`batch.values` filled) on the clipped
+        value loss against the GAE returns; one optimizer step each."""
+        dp = dp or DataParallel()
+        if batch.values is None:
+            raise AppoError("the critic update needs the batch's values (Critic.values)")
+        _, returns = gae_advantages_and_returns(
+            outcome_token_rewards(batch.rewards, batch.loss_mask), batch.values,
+            batch.loss_mask, gamma=self.gamma, lam=self.lam, whiten=False)
+        batch.returns = returns
+        trainable = batch.trainable_rows()  # APPO branch rows (all-zero masks) never enter
+        uid_order = list(dict.fromkeys(batch.uids))
+        per_mb = max(1, self.mini_batch_size // dp.world)
+        n_mini = max(1, dp.max_int(math.ceil(len(uid_order) / per_mb)))
+        sums: Counter = Counter()
+        self.model.train()
+        for _epoch in range(self.epochs):
+            for m in range(n_mini):
+                mb_uids = set(uid_order[m * per_mb : (m + 1) * per_mb])
+                mini = batch.select([i for i in trainable if batch.uids[i] in mb_uids])
+                n_tok = dp.sum_floats([float(mini.loss_mask.sum())])[0]
+                agg = LossAgg("token-mean", max(n_tok, 1.0), 1.0)
+                plan = plan_shared_microbatches(mini.input_ids, mini.lengths, self.max_tokens,
+                                                mini.uids, self.share_prefix)
+                self.optimizer.zero_grad(set_to_none=True)
+                for idx in plan.batches:
+                    sums.update(self._micro_step(mini.select(idx), agg))
+                dp.average_gradients(self.params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                sums["critic/grad_norm"] += to_float(grad_norm)
+        self.model.eval()
+        if dp.enabled:  # loss shares add up over ranks; the grad norm is the same on all
+            grad_sum = sums["critic/grad_norm"]
+            merged: Counter = Counter()
+            for part in dp.gather_objects([dict(sums)]):
+                merged.update(part)
+            sums = merged
+            sums["critic/grad_norm"] = grad_sum
+        steps = max(self.epochs * n_mini, 1)
+        out = {k: v / steps for k, v in sums.items()}
+        out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _micro_step(self, mb: TrainBatch, agg: LossAgg) -> dict[str, float]:
+        vpreds, valid = self.model.response_values(mb, self.share_prefix, self.compute_dtype)
+        device = vpreds.device
+        loss, m = clipped_value_loss(vpreds, mb.values.to(device), mb.returns.to(device),
+                                     mb.loss_mask.to(device) * valid, agg=agg,
+                                     cliprange_value=self.cliprange_value)
+        loss.backward()
+        return {"critic/vf_loss": float(loss.detach()),
+                **{f"critic/{k}": v for k, v in m.items()}}
+
+
+def _scheduler(optimizer, optim: Any, total: int):
+    """The actor's schedule kinds (`OptimConfig.lr_scheduler`) over `total` optimizer steps."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    warmup = int(optim.lr_warmup_steps_ratio * total)
+    if optim.lr_scheduler == "cosine":
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total)
+    return get_constant_schedule_with_warmup(optimizer, warmup)

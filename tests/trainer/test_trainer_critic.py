@@ -1,0 +1,221 @@
+"""The critic of adv_estimator=gae: update invariants, values, checkpoint resume, learning."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from appo.config import load_config
+from appo.models import load_model
+from appo.trainer.batch import TrainBatch, pad_right
+from appo.trainer.critic import Critic, ValueModel
+from appo.trainer.loop import RLTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer_rl import make_toy, toy_config  # noqa: E402
+
+SYSTEM = "<|im_start|>system\nYou are a careful assistant. Be brief.<|im_end|>\n"
+
+
+def fixed_critic_rows(tok, n: int = 8, branch_row: bool = False) -> TrainBatch:
+    """`n` rows in groups of two sharing a long prompt, tool spans in odd rows, fixed values
+    and rewards; optionally an APPO branch row (all-zero mask) with extreme targets."""
+    g = torch.Generator().manual_seed(0)
+    ids, prompt_lens, masks, values, rewards, uids = [], [], [], [], [], []
+    for i in range(n):
+        prompt = tok.encode(f"{SYSTEM}<|im_start|>user\nq{i // 2}<|im_end|>\n"
+                            "<|im_start|>assistant\n")
+        resp = torch.randint(0, 250, (4 + 3 * i,), generator=g).tolist()
+        mask = [1] * len(resp)
+        if i % 2:
+            mask[1:3] = [0, 0]
+        ids.append(prompt + resp)
+        prompt_lens.append(len(prompt))
+        masks.append(mask)
+        values.append(torch.randn(len(resp), generator=g).tolist())
+        rewards.append(float(i % 3) / 2)
+        uids.append(f"u{i // 2}")
+    if branch_row:
+        ids.append(ids[0] + [5, 6, 7])
+        prompt_lens.append(prompt_lens[0])
+        masks.append([0] * (len(masks[0]) + 3))
+        values.append([-50.0] * (len(masks[0]) + 3))
+        rewards.append(100.0)
+        uids.append("u0")
+    m = len(ids)
+    return TrainBatch(
+        uids=uids, traj_ids=[f"t{i}" for i in range(m)], parent_ids=[None] * m,
+        splits=[None] * m, input_ids=pad_right(ids, tok.pad_token_id, torch.long),
+        lengths=torch.tensor([len(r) for r in ids]), prompt_lens=torch.tensor(prompt_lens),
+        loss_mask=pad_right(masks, 0, torch.float32), rewards=torch.tensor(rewards),
+        values=pad_right(values, 0.0, torch.float32))
+
+
+def make_critic(*overrides: str) -> tuple[Critic, object]:
+    cfg = load_config(overrides=["model.path=tiny-test", "algorithm.adv_estimator=gae",
+                                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+                                 "critic.optim.lr=1e-3", *overrides])
+    lm = load_model("tiny-test")
+    torch.manual_seed(0)  # the value head's initialisation
+    return Critic.from_config(cfg, lm, total_steps=3), lm.tokenizer
+
+
+def test_critic_update_ignores_token_budget_and_branch_rows():
+    """Micro-batching is a memory knob, and rows without a trained token never enter."""
+    results = []
+    for budget, branch in ((100_000, False), (48, False), (100_000, True)):
+        critic, tok = make_critic(f"critic.ppo_max_token_len_per_device={budget}")
+        results.append((critic, critic.update(fixed_critic_rows(tok, branch_row=branch))))
+    (ref, m_ref), *others = results
+    assert m_ref["critic/vf_loss"] > 0
+    for critic, m in others:
+        assert m["critic/grad_norm"] == pytest.approx(m_ref["critic/grad_norm"], rel=1e-5)
+        assert m["critic/vf_loss"] == pytest.approx(m_ref["critic/vf_loss"], rel=1e-5)
+        for pa, pb in zip(ref.model.parameters(), critic.model.parameters(), strict=True):
+            assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_values_shared_prefix_equal_the_plain_forward_and_move_with_training():
+    from appo.trainer.distributed import DataParallel
+
+    critic, tok = make_critic()
+    rows = fixed_critic_rows(tok)
+    own = list(range(len(rows)))
+    shared = critic.values(rows, own, DataParallel())
+    critic.share_prefix = False
+    plain = critic.values(rows, own, DataParallel())
+    assert torch.allclose(shared, plain, atol=1e-5)
+    real = torch.arange(shared.shape[1])[None, :] < rows.response_lens[:, None]
+    assert torch.equal(shared[~real], torch.zeros(int((~real).sum())))
+    # A few updates on fixed targets bring the values towards the returns: the loss falls.
+    losses = [critic.update(rows)["critic/vf_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0], losses
+
+
+def test_value_model_head_is_scalar_on_final_hidden_states():
+    lm = load_model("tiny-test")
+    model = ValueModel(lm.model)
+    assert model.value_head.out_features == 1
+    assert model.value_head.in_features == lm.model.config.hidden_size
+
+
+@pytest.fixture
+def toy(tmp_path):
+    return make_toy(tmp_path)
+
+
+def _critic_params(trainer: RLTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.critic.model.parameters()]
+
+
+def test_resume_equals_uninterrupted_with_the_critic(toy, tmp_path):
+    common = ("rollout.strategy=arpo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
+    straight = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3",
+                                    f"trainer.default_local_dir={tmp_path / 'a'}"),
+                         progress=False)
+    full = straight.fit()
+    RLTrainer(toy_config(toy, *common, "trainer.total_steps=2",
+                         f"trainer.default_local_dir={tmp_path / 'b'}"), progress=False).fit()
+    resumed = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3", "trainer.resume=true",
+                                   f"trainer.default_local_dir={tmp_path / 'b'}"),
+                        progress=False)
+    assert resumed.step == 2
+    assert (tmp_path / "b" / "global_step_2" / "critic" / "model.safetensors").is_file()
+    [last] = resumed.fit()
+    for k in ["reward/mean", "actor/pg_loss", "critic/vf_loss", "critic/grad_norm",
+              "adv/values_mean"]:
+        assert full[-1][k] == last[k], (k, full[-1][k], last[k])  # bit for bit on CPU
+    for pa, pb in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    for pa, pb in zip(_critic_params(straight), _critic_params(resumed), strict=True):
+        assert torch.equal(pa, pb)
+    a_state = straight.critic.optimizer.state_dict()["state"]
+    b_state = resumed.critic.optimizer.state_dict()["state"]
+    assert a_state.keys() == b_state.keys()
+    for key in a_state:
+        assert torch.equal(a_state[key]["exp_avg_sq"], b_state[key]["exp_avg_sq"])
+
+
+def test_gae_with_appo_branch_rows_trains_the_critic(toy):
+    cfg = toy_config(toy, "rollout.strategy=appo", "algorithm.adv_estimator=gae",
+                     "trainer.total_steps=1", "critic.optim.lr=1e-3")
+    trainer = RLTrainer(cfg, progress=False)
+    before = _critic_params(trainer)
+    [h] = trainer.fit()
+    assert h["critic/vf_loss"] > 0 and h["critic/grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, _critic_params(trainer),
+                                                     strict=True))
+
+
+def test_reward_rises_with_gae_on_learnable_behaviour(toy):
+    cfg = toy_config(toy, "rollout.strategy=grpo", "rollout.n=8", "trainer.total_steps=10",
+                     "actor.optim.lr=1e-2", "data.max_response_length=12",
+                     "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
+    history = RLTrainer(cfg, progress=False).fit()
+    rewards = [h["reward/mean"] for h in history]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards  # measured: about 0.23 -> 0.41
+    vf = [h["critic/vf_loss"] for h in history]
+    assert sum(vf[-3:]) < sum(vf[:3]), vf  # the critic fits the returns (0.53 -> 0.12)
+
+
+def test_two_process_critic_matches_single_process(tmp_path):
+    from test_trainer_rl import _accelerate_launch
+
+    from appo.trainer.distributed import DataParallel
+
+    out = tmp_path / "critic.pt"
+    r = _accelerate_launch(str(Path(__file__).parent / "ddp_critic_worker.py"), str(out),
+                           str(Path(__file__).parent))
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = torch.load(out)
+    critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    rows = fixed_critic_rows(tok, n=8, branch_row=True)
+    values = critic.values(rows, list(range(len(rows))), DataParallel())
+    assert torch.allclose(dist["values"], values, atol=1e-5)
+    single = critic.update(rows)
+    assert single["critic/vf_loss"] == pytest.approx(
+        dist["metrics"]["critic/vf_loss"], rel=1e-5)
+    assert dist["metrics"]["critic/grad_norm"] == pytest.approx(single["critic/grad_norm"],
+                                                                rel=1e-5)
+    for name, p in critic.model.named_parameters():
+        assert torch.allclose(dist["params"][name], p, atol=1e-5), name
+
+
+def test_critic_from_another_model_spec_and_bad_inputs(tmp_path):
+    from appo.errors import AppoError
+
+    critic, _ = make_critic("critic.model.path=tiny-test")
+    assert isinstance(critic.model.value_head, torch.nn.Linear)
+    with pytest.raises(AppoError):
+        make_critic(f"critic.model.path={tmp_path / 'no-such-model'}")
+    cfg = load_config(overrides=["model.path=tiny-test", "algorithm.adv_estimator=gae"])
+    with pytest.raises(AppoError, match="fsdp"):
+        Critic.from_config(cfg, load_model("tiny-test"), total_steps=1, fsdp=True)
+    with pytest.raises(AppoError, match="algorithm.lam"):
+        load_config(overrides=["algorithm.lam=1.5"])
+    with pytest.raises(AppoError, match="critic.cliprange_value"):
+        load_config(overrides=["critic.cliprange_value=0"])
+
+
+def test_two_process_gae_training_run_completes(toy):
+    import json
+
+    from test_trainer_rl import _accelerate_launch
+
+    run = toy["dir"] / "ddp_gae"
+    r = _accelerate_launch(
+        "-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
+        "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
+        f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo", "rollout.n=4",
+        "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+        "algorithm.adv_estimator=gae", f"trainer.default_local_dir={run}",
+        "trainer.logger=[jsonl]", "trainer.parallel=ddp", "trainer.total_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["critic/vf_loss"] > 0 for row in rows)
+    assert (run / "global_step_2" / "critic" / "model.safetensors").is_file()
