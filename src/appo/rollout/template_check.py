@@ -50,7 +50,7 @@ class TemplateReport:
 
     def line(self) -> str:
         return (f"template check ({self.call_format}): ok: {self.tokens} tokens equal the chat "
-                f"template's rendering; {self.turns} assistant turns end with a sampled "
+                f"template's rendering; {self.turns} assistant turn(s) end with a sampled "
                 f"end-of-turn token; {self.sampled} sampled, {self.forced} forced tokens")
 
 
