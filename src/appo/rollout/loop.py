@@ -5,6 +5,11 @@ the tool calls of all rows that stopped at a closing tag concurrently through th
 executor, and appends each result as forced tokens. Strategies decide what happens between
 rounds (branching, fresh trajectories).
 
+How calls are written, where a segment stops and what text answers a turn's calls is the
+call format's (`tools.format`, `appo.tools.formats`: `tags` or `hermes`, docs/algorithms.md
+§5.4); the loop only asks it. A turn's calls (hermes: possibly several) are answered by one
+forced segment.
+
 Token-in/token-out: the trajectory holds exactly the ids the engine sampled plus the ids of
 the formatted tool results; nothing is decoded and re-tokenised on the way to the trainer.
 Text is decoded only to find a tool call's content.
