@@ -230,3 +230,35 @@ def test_on_limit_stop_ends_the_row_without_a_forced_eos(tok):
     # The second call turn ended with its own sampled <|im_end|>: nothing forced after it.
     assert traj.segments[-1].is_model and traj.loss_mask[-1] == 1
     assert traj.response_ids[-1] == tok.eos_token_id
+
+
+def test_sft_of_a_native_conversation_trains_what_the_rollout_samples(tok):
+    # The same conversation as SFT data (OpenAI messages with tool_calls) and as a rollout:
+    # identical ids, and the SFT loss mask is the rollout's (sampled 1, forced 0).
+    from appo.data.sft import _messages, tokenize_conversation
+
+    batch = rollout([prompt(tok)], ScriptedEngine(tok, calls_then_answer(2)), hermes_tools(),
+                    settings(), strategy="grpo")
+    [traj] = batch.trajectories
+    messages = _messages(conversation(traj), "row")
+    ex = tokenize_conversation(tok, messages, tools=SCHEMAS)
+    n = len(traj.prompt_ids) + len(traj.response_ids)
+    assert ex.input_ids[:n] == traj.prompt_ids + traj.response_ids
+    assert ex.loss_mask[:n] == [0] * len(traj.prompt_ids) + traj.loss_mask
+    assert tok.decode(ex.input_ids[n:]) == "\n" and ex.loss_mask[n:] == [0]
+
+
+def test_sft_rejects_bad_tool_calls_and_templates_that_drop_them(tok):
+    from appo.data.sft import _messages, tokenize_conversation
+    from appo.errors import AppoError
+
+    with pytest.raises(AppoError, match=r"tool_calls\[0\] must be"):
+        _messages([{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
+                  "row 3")
+    messages = _messages([*SYSTEM, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "python", "arguments": {"code": "1"}}}]},
+        {"role": "tool", "content": "1"}, {"role": "assistant", "content": ANSWER}], "row")
+    plain = tiny_tokenizer()
+    plain.chat_template = CHATML_TEMPLATE  # SmolLM2-like: tool_calls are not rendered
+    with pytest.raises(AppoError, match="drops the tool_calls of assistant turn 2"):
+        tokenize_conversation(plain, messages, tools=SCHEMAS)
