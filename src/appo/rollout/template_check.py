@@ -210,8 +210,6 @@ def check_template(tokenizer: Any, call_format: str = "hermes", schemas: list[di
                    tags: list[str] | None = None,
                    result_template: str = DEFAULT_RESULT_TEMPLATE) -> TemplateReport:
     """Run the check (module docstring); raises `AppoError` naming the first problem."""
-    from appo.data.rl import render_prompt_ids
-
     tags = list(tags or ["python"])
     schemas = list(schemas) if schemas else [function_schema(t) for t in tags]
     eot, eot_id = tokenizer.eos_token, tokenizer.eos_token_id
@@ -229,7 +227,7 @@ def check_template(tokenizer: Any, call_format: str = "hermes", schemas: list[di
         [final] = _assistant_texts(tokenizer, messages, tools, eot)
         texts = pieces[:-1] + [final[final.rfind(pieces[-1]):]]
     segments = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    prompt_ids = render_prompt_ids(messages[:2], tokenizer, tools)
+    prompt_ids = _render(tokenizer, messages[:2], tools, True, tokenize=True)
     settings = RolloutSettings(n=1, initial_rollouts=1, call_limit=10, call_format=call_format,
                                result_template=result_template, max_response_length=1 << 20,
                                max_prompt_length=None)
