@@ -91,3 +91,13 @@ def test_cli_check_template():
     assert ok.stdout.startswith("template check (hermes): ok:")
     tags = run_cli("data", "check-template", "--format", "tags", "--tools", "python,search")
     assert tags.returncode == 0, tags.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_real_tokenizer_tags_pass_hermes_fails():
+    from appo.models import load_model
+
+    tok = load_model("smollm2-135m").tokenizer
+    assert check_template(tok, "tags", SCHEMAS, ["python"]).turns == 1
+    with pytest.raises(AppoError, match="drops or rewrites the calls"):
+        check_template(tok, "hermes", SCHEMAS, ["python"])
