@@ -61,6 +61,11 @@ class RolloutSettings:
                 f"rollout.entropy_measure must be one of {', '.join(ENTROPY_MEASURES)}, "
                 f"got {self.entropy_measure!r}"
             )
+        from appo.tools.formats import CALL_FORMATS
+
+        if self.call_format not in CALL_FORMATS:
+            raise AppoError(f"tools.format must be one of {', '.join(CALL_FORMATS)}, "
+                            f"got {self.call_format!r}")
         if "{text}" not in self.result_template:
             raise AppoError("rollout.result_template must contain {text}")
         if self.n < 1 or self.initial_rollouts < 1 or self.beam_size < 1:
