@@ -134,6 +134,10 @@ class ToolsConfig:
     tool_instances: dict[str, ToolInstanceConfig] = field(default_factory=_default_tools)
     # Which tool_instances a run uses (None = all of them; [] = no tools at all).
     enabled: list[str] | None = None
+    # How calls are written (appo.tools.formats): tags (<python>...</python>, results in
+    # <result>; the ARPO family's format) or hermes (Qwen/Hermes native function calling:
+    # <tool_call>{json}</tool_call>, tools and results rendered by the chat template).
+    format: str = "tags"
 
 
 @dataclass
@@ -315,6 +319,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),
+    "tools.format": ("tags", "hermes"),
     "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo", "gae"),
     "actor.policy_loss": ("vanilla", "entropy_balanced", "future_kl"),
     "actor.loss_agg_mode": (

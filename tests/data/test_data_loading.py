@@ -277,3 +277,27 @@ def test_rl_data_from_default_config():
     ex = train.examples[0]
     assert ex.ability == "math" and ex.prompt[0]["content"] == render_system_prompt("math", ["python"])
     assert not {e.question for e in train.examples} & {e.question for e in val.examples}
+
+
+def test_native_call_prompts_declare_the_tools_to_the_template():
+    # tools.format=hermes: the system prompt names the tools without teaching tags, and the
+    # prompt ids carry the tool schemas the chat template lists (tiny-test's Qwen-style one).
+    from appo.data.rl import rl_data_from_config
+    from appo.models.tiny import build_tiny_tokenizer
+    from appo.tools.formats import CALL_FORMATS
+
+    assert tuple(CALL_FORMATS) == CHOICES["tools.format"]
+    tok = build_tiny_tokenizer()
+    cfg = load_config(overrides=["tools.format=hermes", "data.train_files=[synth:arith?n=2]",
+                                 "data.max_prompt_length=4096"])
+    [ex, _] = rl_data_from_config(cfg, "train", tok).examples
+    system = ex.prompt[0]["content"]
+    assert "provided tools (python)" in system and "<python>" not in system
+    assert "<answer>" in system and "\\boxed{" in system
+    text = tok.decode(ex.prompt_ids)
+    assert '"name": "python"' in text and '"required": ["code"]' in text
+    assert text.endswith("<|im_start|>assistant\n")
+    plain = load_config(overrides=["data.train_files=[synth:arith?n=2]",
+                                   "data.max_prompt_length=4096"])
+    tags = rl_data_from_config(plain, "train", tok).examples[0]
+    assert "<python>" in tags.prompt[0]["content"] and "<tools>" not in tok.decode(tags.prompt_ids)

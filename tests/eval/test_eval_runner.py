@@ -236,3 +236,28 @@ def test_local_engine_smoke(tmp_path, monkeypatch):
     assert s["run"]["backend"] == "hf" and s["run"]["tokens_decoded"] > 0
     records = read_samples(out / "arith" / "samples.jsonl")
     assert all(r.response_tokens <= 24 for r in records)
+
+
+def test_native_calls_in_eval(server, data_file, tmp_path, capsys):
+    # tools.format=hermes: the prompt declares the tool to the chat template, the model's
+    # <tool_call> turn ends at <|im_end|> and the result comes back in a <tool_response>.
+    prompts = []
+
+    def native(body):
+        text = TOK.decode(body["prompt"])
+        prompts.append(text)
+        if "<tool_response>\n" not in text:
+            call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+            return completion(call, stop_reason=None)
+        result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.DOTALL)[-1]
+        return completion(f"<answer>\\boxed{{{result.strip()}}}</answer>", stop_reason=None)
+
+    server.completions = native
+    out = tmp_path / "run"
+    assert run_eval(server, data_file, out, "--limit", "1", "tools.format=hermes") == 0
+    assert "template check (hermes): ok" in capsys.readouterr().err
+    [rec] = read_samples(out / "toy" / "samples.jsonl")
+    assert rec.tool_calls == {"python": 1} and rec.answer == "42" and rec.finish_reason == "eos"
+    assert '"name": "python"' in prompts[0] and "<python>" not in prompts[0]
+    assert prompts[1].endswith("<tool_response>\n42\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")

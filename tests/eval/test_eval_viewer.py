@@ -198,3 +198,28 @@ def test_report_in_headless_chromium(tmp_path):
     assert run.returncode == 0 and console_messages(run.stderr) == []
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_parallel_native_calls_show_in_one_tool_turn():
+    # tools.format=hermes: two calls answered by one forced tool turn share its span.
+    call = enc('<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>')
+    turn = call + call + [TOK.eos_token_id]
+    forced = enc("\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n"
+                 "2\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    answer = enc("<answer>\\boxed{1}</answer>") + [TOK.eos_token_id]
+    ids = turn + forced + answer
+    a, b = len(turn), len(turn + forced)
+    traj = Trajectory(
+        uid="p", traj_id="t", prompt_ids=enc("q"), response_ids=ids,
+        loss_mask=[1] * a + [0] * (b - a) + [1] * (len(ids) - b),
+        logp_rollout=[0.0] * len(ids), entropy=[0.0] * len(ids),
+        segments=[Segment(0, a, True, 1.0), Segment(a, b, False), Segment(b, len(ids), True)],
+        tool_calls=[ToolCallRecord("python", "print(1)", "1", True, result_start=a,
+                                   result_end=b),
+                    ToolCallRecord("python", "print(2)", "2", False, "limit", result_start=a,
+                                   result_end=b)],
+        finish_reason="eos")
+    page = render_html([traj], TOK)
+    assert page.count('<details class="tool') == 1  # one tool turn
+    assert "python call 1 [ok" in page and "python call 2 [limit" in page
+    assert '<details class="tool err">' in page  # not every call of the turn succeeded

@@ -268,3 +268,50 @@ def test_no_completion_crashes_any_reward():
             out = fn(text, rng.choice(["0.5", "Paris", ["Paris", "Rome"], "x"]), None)
             assert isinstance(out, RewardOutput) and math.isfinite(out.score), (name, text)
             assert out.format_ok or out.reason, (name, text)
+
+
+# --- native calls (tools.format=hermes): deep_research's format rule counterpart --------
+
+def _native(name: str, arg: str, result: str) -> str:
+    # A hermes trajectory decoded with skip_special_tokens: the call turn, then the tool turn.
+    return (f'<tool_call>\n{{"name": "{name}", "arguments": {{"{arg}": "x"}}}}\n</tool_call>\n'
+            f"user\n<tool_response>\n{result}\n</tool_response>\nassistant\n")
+
+
+NATIVE_GOOD = ("<think>plan</think>\n" + _native("search", "query", "r") + "<think>more</think>\n"
+               + _native("python", "code", "1") + "<think>done</think>\n"
+               "<answer>The answer is \\boxed{Paris}</answer>")
+
+
+def test_deep_research_native_format_and_bonus():
+    assert format_error(NATIVE_GOOD, "hermes") is None
+    # The tag rule does not apply: no <search>/<python> tags, so the tags check passes too,
+    # but only the native rule sees the calls (no tag bonus without </search>, </python>).
+    assert deep_research_reward(NATIVE_GOOD, "Paris").score == pytest.approx(1.0)
+    out = deep_research_reward(NATIVE_GOOD, "Paris", call_format="hermes")
+    assert out.score == pytest.approx(1.1) and out.format_ok  # F1 1 + both-tools bonus
+    only_python = NATIVE_GOOD.replace(_native("search", "query", "r"), "")
+    assert deep_research_reward(only_python, "Paris", call_format="hermes").score == 1.0
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("<think>a</think><tool_call>{}<answer>\\boxed{1}</answer>", "without </tool_call>"),
+    ("<think>a</think><tool_call>{}</tool_call><answer>\\boxed{1}</answer>",
+     "without a complete <tool_response>"),
+    ("<think>a</think><tool_call>{}</tool_call><tool_call>{}</tool_call>"
+     "<tool_response>1</tool_response><answer>\\boxed{1}</answer>", "fewer <tool_response>"),
+])
+def test_deep_research_native_format_failures(text, reason):
+    out = deep_research_reward(text, "1", call_format="hermes")
+    assert out.score == -1.0 and reason in out.reason
+
+
+def test_router_passes_the_call_format_and_math_ignores_tool_responses():
+    from appo.config import load_config
+    from appo.rewards.router import router_from_config
+
+    router = router_from_config(load_config(overrides=["tools.format=hermes"]))
+    assert router.reward_kwargs == {"deep_research": {"call_format": "hermes"}}
+    assert router_from_config(load_config()).reward_kwargs == {}
+    text = "<think>t</think><tool_response>\n<answer>\\boxed{42}</answer>\n</tool_response>"
+    assert math_reward(text, "42").score == 0.0

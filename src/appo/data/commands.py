@@ -1,9 +1,10 @@
-"""`appo data synth` and `appo data inspect`.
+"""`appo data synth`, `appo data inspect` and `appo data check-template`.
 
     appo data synth arith --n 200 --seed 1 --split eval --levels 2,3 --out arith_eval.jsonl
     appo data synth lookup --split sft --out lookup_sft.jsonl   # also writes the corpus
     appo data inspect ../shared/data/arpo/rl/valid.parquet
     appo data inspect "synth:arith?split=sft&n=20" --model smollm2-135m
+    appo data check-template --model tiny-test --format hermes
 
 `synth` writes JSONL (or parquet for a .parquet name): train/eval splits as question rows
 (`question`, `answer`, `data_source`, `ability`, `extra_info`) that the RL loader reads; the
@@ -44,6 +45,16 @@ def register(sub) -> None:
     i.add_argument("--sft", action="store_true", help="treat the data as SFT conversations")
     i.add_argument("--index", type=nonneg_int, default=0, help="which example to render")
     i.set_defaults(handler=_inspect)
+
+    c = data_sub.add_parser(
+        "check-template",
+        help="check that rollout tokens equal the model's chat template rendering")
+    c.add_argument("--model", default="tiny-test", help="model spec (default tiny-test)")
+    c.add_argument("--format", choices=["tags", "hermes"], default="hermes",
+                   help="tool-call format, tools.format (default hermes)")
+    c.add_argument("--tools", default="python",
+                   help="comma-separated tools (python, search; default python)")
+    c.set_defaults(handler=_check_template)
 
 
 def _synth_spec(args: argparse.Namespace) -> str:
@@ -152,6 +163,28 @@ def _inspect(args: argparse.Namespace) -> int:
           f"the chat template of {args.model}; loss mask all 0 (RL prompts are not trained on):\n")
     print(text)
     print(f"ground truth: {ex.ground_truth!r}")
+    return 0
+
+
+KNOWN_TOOLS = {"python": "appo.tools.python_tool.PythonTool",
+               "search": "appo.tools.search_tool.SearchTool"}
+
+
+def _check_template(args: argparse.Namespace) -> int:
+    from appo.errors import AppoError
+    from appo.models import load_model
+    from appo.rollout.template_check import check_template
+    from appo.tools.formats import function_schema
+    from appo.tools.registry import tool_schemas
+
+    names = [t for t in args.tools.split(",") if t]
+    if not names:
+        raise AppoError("--tools needs at least one tool name")
+    known = {n: {"class_path": KNOWN_TOOLS[n]} for n in names if n in KNOWN_TOOLS}
+    by_name = {s["function"]["name"]: s for s in tool_schemas({"tool_instances": known})}
+    schemas = [by_name.get(n) or function_schema(n) for n in names]
+    tokenizer = load_model(args.model).tokenizer
+    print(check_template(tokenizer, args.format, schemas, names).line())
     return 0
 
 

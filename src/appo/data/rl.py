@@ -107,6 +107,7 @@ def row_to_example(
     data_source: str | None = None,
     ability: str | None = None,
     system_prompt: str = "keep",
+    call_format: str = "tags",
 ) -> RLExample:
     where = _where(file, index)
     used = {prompt_key, "data_source", "ability", "reward_model", "extra_info"}
@@ -115,9 +116,11 @@ def row_to_example(
     if isinstance(prompt_value, list | tuple):
         prompt = _check_messages(prompt_value, where, prompt_key)
         if prompt[0]["role"] != "system":
-            prompt.insert(0, {"role": "system", "content": render_system_prompt(template, tools)})
+            prompt.insert(0, {"role": "system",
+                              "content": render_system_prompt(template, tools, call_format)})
         elif system_prompt == "template":
-            prompt[0] = {"role": "system", "content": render_system_prompt(template, tools)}
+            prompt[0] = {"role": "system",
+                         "content": render_system_prompt(template, tools, call_format)}
     else:
         if isinstance(prompt_value, str):
             question, column = prompt_value, prompt_key
@@ -140,7 +143,7 @@ def row_to_example(
             # The model would be asked nothing and still be rewarded against the answer.
             raise AppoError(f"{where}: empty prompt (column {column!r})")
         question = repair_latex_escapes(question)
-        prompt = build_messages(question, template, tools)
+        prompt = build_messages(question, template, tools, call_format)
 
     reward_model = row.get("reward_model")
     if isinstance(reward_model, dict) and "ground_truth" in reward_model:
@@ -183,13 +186,16 @@ def load_rl_data(
     overlong: str = "skip",
     system_prompt: str = "keep",
     stage_prompt: bool = False,
+    call_format: str = "tags",
+    tool_schemas: list[dict] | None = None,
 ) -> RLData:
     """Load every spec into RLExamples.
 
     With a `tokenizer` and `max_prompt_length`, prompts longer than that (chat template
     applied, generation prompt included) are dropped and counted (`overlong="skip"`) or
     raise (`"fail"`). `stage_prompt`: append APPO's paragraph to each system message (before
-    the length check, which therefore counts it).
+    the length check, which therefore counts it). `call_format` (`tools.format`) picks the
+    system prompt's wording; `tool_schemas` go to the chat template as `tools=` (hermes).
     """
     from appo.data import synth
 
@@ -212,7 +218,8 @@ def load_rl_data(
                     f"are {', '.join(tools) or 'none'} (add it under tools.tool_instances)"
                 )
             loaded = [
-                RLExample(build_messages(it.question, template, tools), it.data_source,
+                RLExample(build_messages(it.question, template, tools, call_format),
+                          it.data_source,
                           it.ability, it.answer, dict(it.extra_info))
                 for it in items
             ]
@@ -223,6 +230,7 @@ def load_rl_data(
                     row, i, spec.target, template=template, tools=tools, prompt_key=prompt_key,
                     data_source=spec.options.get("data_source"),
                     ability=spec.options.get("ability"), system_prompt=system_prompt,
+                    call_format=call_format,
                 )
                 for i, row in enumerate(rows)
             ]
@@ -231,7 +239,8 @@ def load_rl_data(
             for ex in loaded:
                 ex.prompt = apply_stage_prompt(ex.prompt)
         if tokenizer is not None and max_prompt_length is not None:
-            loaded = _drop_overlong(loaded, tokenizer, max_prompt_length, overlong, text, stats)
+            loaded = _drop_overlong(loaded, tokenizer, max_prompt_length, overlong, text, stats,
+                                    tool_schemas)
         examples.extend(loaded)
     for ex in examples:
         stats.per_source[ex.data_source] += 1
@@ -239,18 +248,22 @@ def load_rl_data(
     return RLData(examples, stats)
 
 
-def render_prompt_ids(messages: list[Message], tokenizer: Any) -> list[int]:
-    """The prompt's token ids: chat template applied, generation prompt included."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def render_prompt_ids(messages: list[Message], tokenizer: Any,
+                      tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids: chat template applied (`tools`: function schemas declared to
+    it, for native calls), generation prompt included."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                        tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
 
-def _drop_overlong(examples, tokenizer, limit, overlong, spec_text, stats) -> list[RLExample]:
+def _drop_overlong(examples, tokenizer, limit, overlong, spec_text, stats,
+                   tool_schemas=None) -> list[RLExample]:
     kept = []
     for ex in examples:
-        ex.prompt_ids = render_prompt_ids(ex.prompt, tokenizer)
+        ex.prompt_ids = render_prompt_ids(ex.prompt, tokenizer, tool_schemas)
         n = len(ex.prompt_ids)
         stats.longest = max(stats.longest, n)
         if n <= limit:
@@ -286,4 +299,16 @@ def rl_data_from_config(cfg: Any, split: str = "train", tokenizer: Any = None) -
         max_prompt_length=cfg.data.max_prompt_length if tokenizer is not None else None,
         overlong=cfg.data.overlong,
         stage_prompt=cfg.data.appo_stage_prompt,
+        call_format=cfg.tools.format,
+        tool_schemas=template_tools(cfg),
     )
+
+
+def template_tools(cfg: Any) -> list[dict] | None:
+    """What the chat template gets as `tools=`: the enabled tools' function schemas with
+    `tools.format=hermes`, None with tags (the system prompt describes the tags)."""
+    if cfg.tools.format != "hermes":
+        return None
+    from appo.tools.registry import tool_schemas
+
+    return tool_schemas(cfg.tools) or None

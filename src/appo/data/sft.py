@@ -12,6 +12,12 @@ everything else. Inside assistant content, each tool result (`<result>...</resul
 lead-in that `rollout.result_template` puts before it, a space by default) is masked too
 (`mask_tool_results`; the original trained on results).
 
+Native calls (`tools.format=hermes`): OpenAI rows may carry assistant `tool_calls` and
+`tool` messages; the tool schemas go to the template as `tools=`. A call turn is trained as
+the template renders it (content and `<tool_call>` blocks) plus its end-of-turn token; tool
+turns and the following assistant header are not trained, exactly the split a hermes
+rollout makes (docs/algorithms.md §5.4).
+
 Tokenisation is per piece, not over the whole string: the chat-template prefix, each model
 piece and each result are tokenised separately and concatenated. This is how a rollout
 builds the sequence (sampled tokens, then the result tokenised on its own), so SFT teaches
@@ -32,6 +38,9 @@ from appo.data.synth.common import DEFAULT_RESULT_TEMPLATE
 from appo.data.templates import apply_stage_prompt, render_system_prompt, repair_latex_escapes
 from appo.errors import AppoError
 
+# OpenAI `messages` rows may also hold native tool calls: assistant `tool_calls` and `tool`
+# results (tools.format=hermes; the chat template renders both).
+SFT_ROLES = (*ROLES, "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
 
@@ -44,17 +53,45 @@ def result_pattern(result_template: str = DEFAULT_RESULT_TEMPLATE) -> re.Pattern
     return re.compile(lead_re + r"<result>.*?(?:</result>|\Z)", re.DOTALL)
 
 
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI `tool_calls` (`[{type, function: {name, arguments}}]`; `{name, arguments}` is
+    accepted too) in the form chat templates take."""
+    if not isinstance(value, list) or not value:
+        raise AppoError(f"{where}: 'tool_calls' must be a non-empty list")
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments"), dict | str):
+            raise AppoError(f"{where}: tool_calls[{j}] must be {{'function': {{'name': str, "
+                            f"'arguments': object or JSON string}}}}, got {str(call)[:80]!r}")
+        calls.append({"type": "function",
+                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return calls
+
+
 def _messages(value: Any, where: str) -> list[Message]:
     if not isinstance(value, list) or not value:
         raise AppoError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if calls and m.get("role") == "assistant" and content is None:
+            content = ""  # OpenAI: an assistant message that only calls has content null
+        if not isinstance(m, dict) or m.get("role") not in SFT_ROLES or not isinstance(content, str):
             raise AppoError(
-                f"{where}: messages[{i}] must be {{'role': one of {'/'.join(ROLES)}, "
+                f"{where}: messages[{i}] must be {{'role': one of {'/'.join(SFT_ROLES)}, "
                 f"'content': str}}, got {str(m)[:80]!r}"
             )
-        out.append({"role": m["role"], "content": repair_latex_escapes(m["content"])})
+        message: dict[str, Any] = {"role": m["role"], "content": repair_latex_escapes(content)}
+        if calls:
+            if m["role"] != "assistant":
+                raise AppoError(f"{where}: messages[{i}] has tool_calls but role {m['role']!r}")
+            message["tool_calls"] = _tool_calls(calls, f"{where}: messages[{i}]")
+        if m["role"] == "tool" and isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
     return out
 
 
@@ -99,12 +136,14 @@ def row_to_conversation(row: dict[str, Any], where: str, data_source: str = "") 
     return Conversation(messages, source)
 
 
-def _render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool,
+            tools: list[dict] | None = None) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise AppoError("the tokenizer has no chat template; SFT needs one to render turns")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt
         )
     except Exception as e:  # noqa: BLE001 - jinja errors (e.g. role order rules) are data errors
         raise AppoError(f"the chat template rejected a conversation: {e}") from None
@@ -115,9 +154,13 @@ def conversation_pieces(
     messages: list[Message],
     mask_tool_results: bool = True,
     result_template: str = DEFAULT_RESULT_TEMPLATE,
+    tools: list[dict] | None = None,
 ) -> list[tuple[str, bool]]:
-    """The rendered conversation as consecutive (text, trained) pieces."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    """The rendered conversation as consecutive (text, trained) pieces. `tools`: function
+    schemas for the template (native calls); an assistant turn with `tool_calls` is trained
+    as the template renders it (content and call blocks) up to its end-of-turn token; tool
+    turns and the next assistant header are not trained, as in a hermes rollout."""
+    full = _render(tokenizer, messages, False, tools)
     results = result_pattern(result_template)
     eos = getattr(tokenizer, "eos_token", None)
     pieces: list[tuple[str, bool]] = []
@@ -125,12 +168,15 @@ def conversation_pieces(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        prefix = _render(tokenizer, messages[:i], True, tools)
         if not full.startswith(prefix) or len(prefix) < cursor:
             raise AppoError(
                 "the chat template does not render conversations prefix by prefix, so the "
                 f"assistant turn {i} cannot be located"
             )
+        if message.get("tool_calls"):
+            cursor = _call_turn(full, prefix, cursor, message, eos, i, pieces)
+            continue
         content = message["content"]
         if not full.startswith(content, len(prefix)):
             content = content.strip()  # templates that trim turns (Qwen, Llama)
@@ -154,14 +200,35 @@ def conversation_pieces(
     return [(text, trained) for text, trained in pieces if text]
 
 
+def _call_turn(full: str, prefix: str, cursor: int, message: Message, eos: str | None, i: int,
+               pieces: list[tuple[str, bool]]) -> int:
+    """Pieces of an assistant turn with tool calls: the template's rendering of the turn,
+    trained, through its end-of-turn token; returns the new cursor."""
+    end = full.find(eos, len(prefix)) if eos else -1
+    if end < 0:
+        raise AppoError(f"the chat template renders assistant turn {i} (tool calls) without "
+                        f"the end-of-turn token {eos!r}")
+    turn = full[len(prefix) : end]
+    missing = [c["function"]["name"] for c in message["tool_calls"]
+               if c["function"]["name"] not in turn]
+    if missing:
+        raise AppoError(f"the chat template drops the tool_calls of assistant turn {i} "
+                        f"({', '.join(missing)}; SmolLM2's does): use a template with tool "
+                        "support, or tag-format data (tools.format=tags)")
+    pieces += [(full[cursor : len(prefix)], False), (turn, True), (eos, True)]
+    return end + len(eos)
+
+
 def tokenize_conversation(
     tokenizer: Any,
     messages: list[Message],
     mask_tool_results: bool = True,
     result_template: str = DEFAULT_RESULT_TEMPLATE,
     data_source: str = "",
+    tools: list[dict] | None = None,
 ) -> SFTExample:
-    pieces = conversation_pieces(tokenizer, messages, mask_tool_results, result_template)
+    pieces = conversation_pieces(tokenizer, messages, mask_tool_results, result_template,
+                                 tools)
     encoded = tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     mask: list[int] = []
@@ -179,9 +246,11 @@ def load_conversations(
     tool_instances: Any = None,
     result_template: str = DEFAULT_RESULT_TEMPLATE,
     stage_prompt: bool = False,
+    call_format: str = "tags",
 ) -> list[Conversation]:
     """Conversations from SFT files and `synth:` specs (gold demonstrations); `stage_prompt`
-    appends APPO's paragraph to each system message."""
+    appends APPO's paragraph to each system message; `call_format` (`tools.format`) words
+    the system prompt added to rows without one."""
     from appo.data.synth import synth_conversations
 
     if isinstance(specs, str):
@@ -190,6 +259,10 @@ def load_conversations(
     for text in specs:
         spec = parse_spec(text)
         if spec.kind == "synth":
+            if call_format != "tags":
+                raise AppoError(f"{text}: synthetic SFT demonstrations are written in the tag "
+                                f"format; tools.format={call_format} needs OpenAI rows with "
+                                "tool_calls and tool messages")
             convs += synth_conversations(spec, template=template, tools=tools,
                                          tool_instances=tool_instances,
                                          result_template=result_template)
@@ -199,7 +272,8 @@ def load_conversations(
             conv = row_to_conversation(row, f"{spec.target} row {i}", source)
             if conv.messages[0]["role"] != "system":
                 conv.messages.insert(
-                    0, {"role": "system", "content": render_system_prompt(template, tools)}
+                    0, {"role": "system",
+                        "content": render_system_prompt(template, tools, call_format)}
                 )
             convs.append(conv)
     if stage_prompt:
@@ -220,6 +294,8 @@ def load_sft_data(
     result_template: str = DEFAULT_RESULT_TEMPLATE,
     tool_instances: Any = None,
     stage_prompt: bool = False,
+    call_format: str = "tags",
+    tool_schemas: list[dict] | None = None,
 ) -> SFTData:
     """Tokenised SFT examples. Examples longer than `max_length` tokens are dropped and
     counted (`overlong="skip"`) or raise (`"fail"`); nothing is silently truncated."""
@@ -227,12 +303,12 @@ def load_sft_data(
         raise AppoError(f"overlong must be 'skip' or 'fail', got {overlong!r}")
     convs = load_conversations(specs, template=template, tools=tools,
                                tool_instances=tool_instances, result_template=result_template,
-                               stage_prompt=stage_prompt)
+                               stage_prompt=stage_prompt, call_format=call_format)
     stats = LoadStats(rows=len(convs))
     examples = []
     for i, conv in enumerate(convs):
         ex = tokenize_conversation(tokenizer, conv.messages, mask_tool_results, result_template,
-                                   conv.data_source)
+                                   conv.data_source, tool_schemas)
         stats.longest = max(stats.longest, len(ex))
         if len(ex) > max_length:
             if overlong == "fail":
@@ -251,6 +327,7 @@ def sft_data_from_config(
     cfg: Any, tokenizer: Any, split: str = "train", tool_instances: Any = None
 ) -> SFTData:
     """SFT examples for `sft.train_files` (split="train") or `sft.val_files` ("val")."""
+    from appo.data.rl import template_tools
     from appo.data.templates import tools_from_config
 
     files = list(cfg.sft.train_files if split == "train" else cfg.sft.val_files)
@@ -265,6 +342,8 @@ def sft_data_from_config(
         result_template=cfg.rollout.result_template,
         tool_instances=tool_instances,
         stage_prompt=cfg.data.appo_stage_prompt,
+        call_format=cfg.tools.format,
+        tool_schemas=template_tools(cfg),
     )
 
 

@@ -125,8 +125,10 @@ class PromptTemplate:
     default_tools: tuple[str, ...]
     original: str | None = None  # verbatim text used when the tools equal default_tools
 
-    def system_prompt(self, tools: Sequence[str] | None = None) -> str:
+    def system_prompt(self, tools: Sequence[str] | None = None, call_format: str = "tags") -> str:
         tags = tuple(self.default_tools if tools is None else tools)
+        if call_format == "hermes":
+            return compose_native_prompt(self.task, tags)
         if self.original is not None and sorted(tags) == sorted(self.default_tools):
             return self.original
         return compose_system_prompt(self.task, tags)
@@ -155,6 +157,24 @@ def compose_system_prompt(task: str, tools: Sequence[str]) -> str:
     )
 
 
+def compose_native_prompt(task: str, tools: Sequence[str]) -> str:
+    """The system prompt for native calls (`tools.format=hermes`): the chat template lists
+    the tools and shows the call syntax, so the prompt only names them and keeps the
+    reasoning / answer tags the rewards read."""
+    helpers = f" with the help of the provided tools ({', '.join(tools)})" if tools else ""
+    return " ".join(
+        [
+            f"You are a helpful assistant that {task} step by step{helpers}.",
+            "First think about the reasoning process, then give the answer. The reasoning is "
+            "enclosed within <think> </think> and the answer within <answer> </answer>.",
+            *(["Call a tool whenever it helps; its result is returned to you."] if tools else []),
+            "For example, <think> reasoning here </think> <answer> \\boxed{answer here} "
+            "</answer>.",
+            "The final exact answer is enclosed within \\boxed{} in latex format.",
+        ]
+    )
+
+
 TEMPLATES: dict[str, PromptTemplate] = {
     "code_search": PromptTemplate(
         name="code_search",
@@ -175,17 +195,19 @@ def get_template(name: str) -> PromptTemplate:
     return TEMPLATES[name]
 
 
-def render_system_prompt(template: str, tools: Sequence[str] | None = None) -> str:
-    """The system prompt of `template` describing `tools` (None: the template's own set)."""
-    return get_template(template).system_prompt(tools)
+def render_system_prompt(template: str, tools: Sequence[str] | None = None,
+                         call_format: str = "tags") -> str:
+    """The system prompt of `template` describing `tools` (None: the template's own set) in
+    the call format `call_format` (`tools.format`)."""
+    return get_template(template).system_prompt(tools, call_format)
 
 
 def build_messages(
-    question: str, template: str, tools: Sequence[str] | None = None
+    question: str, template: str, tools: Sequence[str] | None = None, call_format: str = "tags"
 ) -> list[dict[str, str]]:
     """A [system, user] chat prompt for `question`."""
     return [
-        {"role": "system", "content": render_system_prompt(template, tools)},
+        {"role": "system", "content": render_system_prompt(template, tools, call_format)},
         {"role": "user", "content": question},
     ]
 

@@ -88,7 +88,8 @@ def _eval(args: argparse.Namespace) -> int:
         tags = list(tools.tags) if tools is not None else []
         benchmarks = load_benchmarks(args.data or list(cfg.data.val_files), cfg.data.template,
                                      tags, cfg.data.prompt_key, args.limit,
-                                     stage_prompt=cfg.data.appo_stage_prompt)
+                                     stage_prompt=cfg.data.appo_stage_prompt,
+                                     call_format=cfg.tools.format)
         k = int(cfg.eval.k)
         settings = eval_settings(cfg, k, tags)
         info = {"model": cfg.model.path, "benchmarks": {b.name: b.spec for b in benchmarks}}
@@ -119,6 +120,12 @@ def _eval(args: argparse.Namespace) -> int:
                                 int(cfg.eval.max_response_length))
             engine = build_engine(cfg, lm, workload=workload)
             info.update(backend=engine.name, model_source=lm.source)
+        if cfg.tools.format == "hermes" and tools is not None:
+            from appo.rollout.template_check import check_template
+
+            report = check_template(tokenizer, "hermes", tools.schemas, tags,
+                                    cfg.rollout.result_template)
+            print(f"appo: {report.line()}", file=sys.stderr, flush=True)
         router = router_from_config(cfg)
         if cfg.custom_reward_function.path:
             lenient = router  # a user reward has no lenient mode

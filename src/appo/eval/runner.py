@@ -73,7 +73,7 @@ def parse_data_arg(item: str) -> tuple[str, str]:
 
 def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
                     prompt_key: str = "prompt", limit: int | None = None,
-                    stage_prompt: bool = False) -> list[Benchmark]:
+                    stage_prompt: bool = False, call_format: str = "tags") -> list[Benchmark]:
     from appo.data import load_rl_data
 
     out: list[Benchmark] = []
@@ -82,7 +82,8 @@ def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
         if any(b.name == name for b in out):
             raise AppoError(f"benchmark name {name!r} given twice; name them with NAME=PATH")
         examples = load_rl_data([spec], template=template, tools=list(tools),
-                                prompt_key=prompt_key, stage_prompt=stage_prompt).examples
+                                prompt_key=prompt_key, stage_prompt=stage_prompt,
+                                call_format=call_format).examples
         if limit is not None:
             examples = examples[:limit]
         out.append(Benchmark(name, spec, examples))
@@ -218,12 +219,19 @@ class Evaluator:
         self.run_info = dict(run_info or {})
         self._prompt_ids: dict[tuple[str, int], list[int]] = {}
 
+    def _template_tools(self) -> list[dict] | None:
+        """The tools' function schemas for the chat template (tools.format=hermes)."""
+        if self.settings.call_format != "hermes" or self.tools is None:
+            return None
+        return list(getattr(self.tools, "schemas", None) or []) or None
+
     def _prompt(self, bench: Benchmark, index: int) -> RolloutPrompt:
         key = (bench.name, index)
         ex = bench.examples[index]
         if key not in self._prompt_ids:
             try:
-                ids = self.tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True,
+                ids = self.tokenizer.apply_chat_template(ex.prompt, tools=self._template_tools(),
+                                                         add_generation_prompt=True,
                                                          tokenize=True, return_dict=False)
             except Exception as e:  # noqa: BLE001 - no template, or a template error
                 raise AppoError(f"cannot render the chat prompt of {bench.name} question "

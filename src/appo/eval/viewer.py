@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from appo.errors import AppoError
 from appo.eval.tokens import token_texts
@@ -140,7 +141,10 @@ class _Page:
 
     def segments(self, traj: Trajectory, texts: list[str], lo: int, hi: int,
                  marks: dict[int, list[Trajectory]]) -> str:
-        calls = {c.result_start: (n, c) for n, c in enumerate(traj.tool_calls, 1)}
+        # The calls a forced segment answers (hermes: parallel calls share one tool turn).
+        calls: dict[int, list[tuple[int, Any]]] = {}
+        for n, c in enumerate(traj.tool_calls, 1):
+            calls.setdefault(c.result_start, []).append((n, c))
         out = []
         segs = traj.segments or [_whole(traj)]
         for seg in segs:
@@ -155,15 +159,19 @@ class _Page:
             if found is None:
                 out.append(f'<span class="forced">{forced}</span>')
                 continue
-            n, call = found
-            status = "ok" if call.ok else (call.error_kind or "error")
-            preview = " ".join(call.content.split())[:80]
+            heads, bodies = [], []
+            for n, call in found:
+                status = "ok" if call.ok else (call.error_kind or "error")
+                preview = " ".join(call.content.split())[:80]
+                heads.append(f"{_esc(call.tool)} call {n} [{_esc(status)}, "
+                             f"{call.latency_s * 1000:.0f} ms{', cached' if call.cached else ''}]"
+                             f" <code>{_esc(preview)}</code>")
+                bodies.append(f'<div class="lbl">call</div><pre>{_esc(call.content)}</pre>'
+                              f'<div class="lbl">result</div><pre>{_esc(call.result)}</pre>')
+            ok = all(call.ok for _, call in found)
             out.append(
-                f'<details class="tool {"ok" if call.ok else "err"}"><summary>'
-                f"{_esc(call.tool)} call {n} [{_esc(status)}, {call.latency_s * 1000:.0f} ms"
-                f'{", cached" if call.cached else ""}] <code>{_esc(preview)}</code></summary>'
-                f'<div class="call"><div class="lbl">call</div><pre>{_esc(call.content)}</pre>'
-                f'<div class="lbl">result</div><pre>{_esc(call.result)}</pre>'
+                f'<details class="tool {"ok" if ok else "err"}"><summary>{"; ".join(heads)}'
+                f'</summary><div class="call">{"".join(bodies)}'
                 f'<div class="lbl">forced tokens</div><div class="forced">{forced}</div>'
                 "</div></details>"
             )

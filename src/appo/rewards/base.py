@@ -22,7 +22,9 @@ from typing import Any
 MAX_ANSWER_CHARS = 1000
 
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_RESULT_BLOCK = re.compile(r"<result>.*?(?:</result>|\Z)", re.DOTALL)
+# Tool output blocks: the tag format's <result> and the native format's <tool_response>.
+_RESULT_BLOCK = re.compile(r"<result>.*?(?:</result>|\Z)|<tool_response>.*?(?:</tool_response>|\Z)",
+                           re.DOTALL)
 _BOXED_START = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -79,7 +81,8 @@ def answer_blocks(text: str) -> list[str]:
 
 
 def strip_results(text: str) -> str:
-    """Remove `<result>...</result>` blocks (an unclosed one runs to the end).
+    """Remove `<result>...</result>` and `<tool_response>...</tool_response>` blocks (an
+    unclosed one runs to the end).
 
     Tool output is not model output: without this, code that prints
     `<answer>\\boxed{42}</answer>` would be graded as the model's answer.

@@ -13,6 +13,11 @@ ARPO trained on all of its data (math and multi-hop QA alike) with this function
 3. Score = token F1 against the ground truth(s) (SQuAD normalisation, yes/no mismatch 0),
    plus 0.1 when F1 > 0 and the trajectory contains both `</search>` and `</python>`.
 
+With `tools.format=hermes` (`call_format="hermes"`, passed by `router_from_config`) rule 1's
+tool rule is its native counterpart: every `<tool_call>` is followed by `</tool_call>` and a
+complete `<tool_response>` block, with at least as many responses as calls; the bonus needs
+calls named `search` and `python`.
+
 Kept on purpose, although questionable: math answers are graded by token F1 (so `1/2` vs
 `0.5` is wrong), tool results are not stripped before the checks, and the bonus needs both
 tools. Use `math` / `qa` for the corrected graders.
@@ -20,8 +25,10 @@ tools. Use `math` / `qa` for the corrected graders.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from appo.errors import AppoError
 from appo.rewards.base import RewardOutput, as_answer_list, last_boxed
 from appo.rewards.qa_reward import token_f1
 
@@ -29,15 +36,9 @@ FORMAT_FAILURE_SCORE = -1.0
 BOTH_TOOLS_BONUS = 0.1
 
 
-def format_error(text: str) -> str | None:
-    """The first format rule `text` breaks, or None if it follows them all."""
-    n_think = text.count("<think>")
-    if n_think != text.count("</think>"):
-        return "<think> and </think> counts differ"
-    if n_think == 0:
-        return "no <think> block"
-    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
-        return "expected exactly one <answer> and one </answer>"
+def _tag_calls_error(text: str) -> str | None:
+    """The tag format (the original): every `<search>` (then every `<python>`) is followed in
+    order by its closing tag, `<result>` and `</result>`."""
     for tag in ("search", "python"):
         pos = 0
         while (start := text.find(f"<{tag}>", pos)) != -1:
@@ -49,6 +50,55 @@ def format_error(text: str) -> str | None:
             if not start < close < result_open < result_close:
                 return f"<{tag}> / <result> tags out of order"
             pos = result_close
+    return None
+
+
+def _native_calls_error(text: str) -> str | None:
+    """The native counterpart (tools.format=hermes): every `<tool_call>` is followed in order
+    by `</tool_call>`, `<tool_response>` and `</tool_response>` (parallel calls: one
+    response per call)."""
+    pos = 0
+    while (start := text.find("<tool_call>", pos)) != -1:
+        close = text.find("</tool_call>", start)
+        if close == -1:
+            return "<tool_call> without </tool_call>"
+        response = text.find("<tool_response>", close)
+        if response == -1 or text.find("</tool_response>", response) == -1:
+            return "<tool_call> without a complete <tool_response> </tool_response> after it"
+        pos = close + len("</tool_call>")
+    if text.count("<tool_response>") < text.count("<tool_call>"):
+        return "fewer <tool_response> blocks than <tool_call> blocks"
+    return None
+
+
+def _uses_both_tags(text: str) -> bool:
+    return "</search>" in text and "</python>" in text
+
+
+def _uses_both_native(text: str) -> bool:
+    names = set(re.findall(r'<tool_call>\s*\{\s*"name"\s*:\s*"(\w+)"', text))
+    return {"search", "python"} <= names
+
+
+# tools.format -> (the tool-call format rule, the both-tools test of the bonus)
+CALL_FORMAT_RULES = {
+    "tags": (_tag_calls_error, _uses_both_tags),
+    "hermes": (_native_calls_error, _uses_both_native),
+}
+
+
+def format_error(text: str, call_format: str = "tags") -> str | None:
+    """The first format rule `text` breaks, or None if it follows them all."""
+    n_think = text.count("<think>")
+    if n_think != text.count("</think>"):
+        return "<think> and </think> counts differ"
+    if n_think == 0:
+        return "no <think> block"
+    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
+        return "expected exactly one <answer> and one </answer>"
+    error = CALL_FORMAT_RULES[call_format][0](text)
+    if error is not None:
+        return error
     answer_open, answer_close = text.find("<answer>"), text.find("</answer>")
     if answer_open > answer_close:
         return "</answer> before <answer>"
@@ -59,9 +109,13 @@ def format_error(text: str) -> str | None:
 
 
 def deep_research_reward(
-    solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+    call_format: str = "tags",
 ) -> RewardOutput:
-    error = format_error(solution_str)
+    if call_format not in CALL_FORMAT_RULES:
+        raise AppoError(f"deep_research: unknown call format {call_format!r} "
+                        f"(choose from {', '.join(CALL_FORMAT_RULES)})")
+    error = format_error(solution_str, call_format)
     if error is not None:
         return RewardOutput(FORMAT_FAILURE_SCORE, 0.0, False, f"bad format: {error}",
                             reward_fn="deep_research")
@@ -71,7 +125,7 @@ def deep_research_reward(
         return RewardOutput(FORMAT_FAILURE_SCORE, 0.0, False, "cannot extract \\boxed{} answer",
                             reward_fn="deep_research")
     f1 = token_f1(answer, as_answer_list(ground_truth))
-    both_tools = "</search>" in solution_str and "</python>" in solution_str
+    both_tools = CALL_FORMAT_RULES[call_format][1](solution_str)
     bonus = BOTH_TOOLS_BONUS if f1 > 0 and both_tools else 0.0
     return RewardOutput(
         score=f1 + bonus,

@@ -219,4 +219,7 @@ def compute_reward(
 def router_from_config(cfg: Any) -> RewardRouter:
     """A router for an `AppoConfig` (uses `custom_reward_function.{path,name}`)."""
     custom = cfg.custom_reward_function
-    return RewardRouter(custom_path=custom.path, custom_name=custom.name)
+    # deep_research's format rule follows the call format (tools.format, docs §6.1).
+    kwargs = ({"deep_research": {"call_format": str(cfg.tools.format)}}
+              if cfg.tools.format != "tags" else None)
+    return RewardRouter(custom_path=custom.path, custom_name=custom.name, reward_kwargs=kwargs)

@@ -5,6 +5,11 @@ the tool calls of all rows that stopped at a closing tag concurrently through th
 executor, and appends each result as forced tokens. Strategies decide what happens between
 rounds (branching, fresh trajectories).
 
+How calls are written, where a segment stops and what text answers a turn's calls is the
+call format's (`tools.format`, `appo.tools.formats`: `tags` or `hermes`, docs/algorithms.md
+§5.4); the loop only asks it. A turn's calls (hermes: possibly several) are answered by one
+forced segment.
+
 Token-in/token-out: the trajectory holds exactly the ids the engine sampled plus the ids of
 the formatted tool results; nothing is decoded and re-tokenised on the way to the trainer.
 Text is decoded only to find a tool call's content.
@@ -32,7 +37,7 @@ from appo.rollout.records import (
     Trajectory,
 )
 from appo.rollout.settings import RolloutSettings, segment_entropy
-from appo.rollout.stops import tool_stop_strings
+from appo.tools.formats import ParsedCall, make_call_format
 
 LIMIT_MESSAGE = (
     "Tool call limit reached ({limit} calls). No more tools: give the final answer now."
@@ -81,10 +86,19 @@ class RowState:
 
 
 @dataclass
-class _PendingCall:
+class _Slot:
+    """One call of a tool turn and, once known, its result."""
+
+    call: ParsedCall
+    result: Any = None  # appo.tools.base.ToolResult
+
+
+@dataclass
+class _Turn:
+    """The calls a row made in one segment; answered together by one forced segment."""
+
     row: RowState
-    tool: str
-    content: str
+    slots: list[_Slot]
 
 
 class ToolLoop:
@@ -102,8 +116,10 @@ class ToolLoop:
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.tags = list(tools.tags) if tools is not None else []
-        engine.set_stop_strings(tool_stop_strings(self.tags))
-        self._close = {f"</{t}>": t for t in self.tags}
+        schemas = getattr(tools, "schemas", None) if tools is not None else []
+        self.format = make_call_format(settings.call_format, self.tokenizer, self.tags,
+                                       schemas, settings.result_template)
+        engine.set_stop_strings(self.format.stop_strings())
         self.vocab_size = vocab_size or len(self.tokenizer)
         self.stats = RolloutStats()
         self.events: list[BranchEvent] = []
@@ -255,46 +271,43 @@ class ToolLoop:
         outs = self.engine.decode(
             [r.erow for r in active], [self._budget(r) for r in active], self.settings.sampling
         )
-        pending: list[_PendingCall] = []
+        turns: list[_Turn] = []
         for row, out in zip(active, outs, strict=True):
             h_seg = segment_entropy(out, self.settings, self.vocab_size)
             self._add_model(row, out, h_seg)
             row.h_last = h_seg
             if row.h_init is None:
                 row.h_init = h_seg
+            calls = self._calls(row, out) if out.finish != "error" else []
             if out.finish == "error":
                 row.traj.error = out.error or "generation failed"
                 self._finish(row, "error")
+            elif calls and self._budget(row) <= 0:
+                self._finish(row, "length", truncated=True)  # no room for the results
+            elif calls:
+                turn = self._turn(row, calls)
+                if turn is not None:
+                    turns.append(turn)
             elif out.finish == "eos":
                 self._finish(row, "eos")
             elif out.finish == "length" or self._budget(row) <= 0:
                 self._finish(row, "length", truncated=True)
             elif out.finish == "stop":
-                tool = self._close.get(out.stop_string or "")
-                if tool is None:
-                    raise AppoError(f"engine stopped on unknown stop string {out.stop_string!r}")
-                if row.calls >= self.settings.call_limit:
-                    self._at_limit(row, tool)
-                elif self._over_tool_limit(row, tool):
-                    self._at_tool_limit(row, tool)
-                else:
-                    pending.append(_PendingCall(row, tool, self._call_content(row, tool)))
+                raise AppoError(f"engine stopped on unknown stop string {out.stop_string!r}")
             else:
                 raise AppoError(f"engine returned unknown finish reason {out.finish!r}")
-        if pending:
-            self._run_calls(pending)
+        if turns:
+            self._run_calls(turns)
         return [r for r in active if r.got_result]
 
-    def _call_content(self, row: RowState, tool: str) -> str:
-        """Content of the last `<tool>...</tool>` of the row's current model segment."""
+    def _calls(self, row: RowState, out: SegmentOutput) -> list[ParsedCall]:
+        """The calls of the row's current model segment ([]: not a call turn)."""
+        last = out.token_ids[-1] if out.token_ids else None
+        if not self.format.may_call(out.finish, last):
+            return []
         seg = row.traj.segments[-1]
         text = self.tokenizer.decode(row.traj.response_ids[seg.start : seg.end])
-        close, open_ = f"</{tool}>", f"<{tool}>"
-        end = text.rfind(close)
-        begin = text.rfind(open_, 0, end)
-        if begin < 0:
-            return ""  # no opening tag in this segment: an empty call, answered with an error
-        return text[begin + len(open_) : end].strip()
+        return self.format.parse(text, out.stop_string)
 
     def _context(self, row: RowState, tool: str) -> tuple[str, ...]:
         """The row's response so far, one step per segment, for tools that read it (the
@@ -306,15 +319,57 @@ class ToolLoop:
         ids = row.traj.response_ids
         return tuple(self.tokenizer.decode(ids[s.start : s.end]) for s in row.traj.segments)
 
-    def _run_calls(self, pending: list[_PendingCall]) -> None:
+    def _turn(self, row: RowState, calls: list[ParsedCall]) -> _Turn | None:
+        """Slots for a turn's calls: limit notices and parse errors answered now, the rest
+        left for the executor. None: the row stopped at the call limit (on_limit=stop)."""
+        from appo.tools.base import ToolResult
+
+        limit = self.settings.call_limit
+        if row.calls >= limit and self.settings.on_limit == "stop":
+            self._stop_at_limit(row)
+            return None
+        used = {}
+        for c in row.traj.tool_calls:
+            if c.error_kind != "limit":
+                used[c.tool] = used.get(c.tool, 0) + 1
+        limits = self.settings.tool_call_limits or {}
+        slots, planned = [], row.calls
+        for call in calls:
+            slot = _Slot(call)
+            if planned >= limit:
+                slot.result = ToolResult(LIMIT_MESSAGE.format(limit=limit), ok=False,
+                                         error_kind="limit")
+            elif call.tool in limits and used.get(call.tool, 0) >= limits[call.tool]:
+                if self.settings.on_limit == "stop" and len(calls) == 1:
+                    self._stop_at_limit(row)
+                    return None
+                text = TOOL_LIMIT_MESSAGE.format(tool=call.tool, limit=limits[call.tool])
+                slot.result = ToolResult(text, ok=False, error_kind="limit")
+            else:
+                planned += 1
+                used[call.tool] = used.get(call.tool, 0) + 1
+                if call.error is not None:
+                    slot.result = ToolResult(call.error, ok=False, error_kind="error")
+            slots.append(slot)
+        return _Turn(row, slots)
+
+    def _stop_at_limit(self, row: RowState) -> None:
+        """on_limit=stop (the original): the row ends; tags append EOS as a forced token."""
+        if self.format.eos_after_limit and self._eos_id is not None and self._budget(row) > 0:
+            self._add_forced(row, [self._eos_id])
+        self._finish(row, "call_limit")
+
+    def _run_calls(self, turns: list[_Turn]) -> None:
         from appo.tools.base import ToolResult
         from appo.tools.executor import ToolCall
 
-        calls = [ToolCall(tool=p.tool, content=p.content, context=self._context(p.row, p.tool))
-                 for p in pending]
+        todo = [(t, s) for t in turns for s in t.slots if s.result is None]
+        calls = [ToolCall(tool=s.call.tool, content=s.call.content,
+                          context=self._context(t.row, s.call.tool)) for t, s in todo]
+        todo = [s for _, s in todo]
         t0 = time.perf_counter()
         try:
-            results = list(self.tools.execute_many(calls))
+            results = list(self.tools.execute_many(calls)) if calls else []
         except ToolFatalError:
             raise  # a tool that cannot work at all (appo.errors): stop, do not feed the model
         except Exception as e:  # noqa: BLE001 - the executor raises nothing else; be safe
@@ -323,61 +378,29 @@ class ToolLoop:
         if len(results) != len(calls):
             raise AppoError(f"tool executor returned {len(results)} results for {len(calls)} calls")
         self.stats.tool_seconds += time.perf_counter() - t0
-        self.stats.tool_calls += len(calls)
-        for p, result in zip(pending, results, strict=True):
-            p.row.calls += 1
-            self._append_result(p.row, p.tool, p.content, result)
+        for slot, result in zip(todo, results, strict=True):
+            slot.result = result
+        for turn in turns:
+            counted = [s for s in turn.slots if s.result.error_kind != "limit"]
+            self.stats.tool_calls += len(counted)
+            turn.row.calls += len(counted)
+            self._append_results(turn.row, turn.slots)
 
-    def _at_limit(self, row: RowState, tool: str) -> None:
-        if self.settings.on_limit == "stop":
-            if self._eos_id is not None and self._budget(row) > 0:
-                self._add_forced(row, [self._eos_id])
-            self._finish(row, "call_limit")
-            return
-        from appo.tools.base import ToolResult
-
-        text = LIMIT_MESSAGE.format(limit=self.settings.call_limit)
-        self._append_result(row, tool, self._call_content(row, tool),
-                            ToolResult(text, ok=False, error_kind="limit"))
-
-    def _over_tool_limit(self, row: RowState, tool: str) -> bool:
-        """`settings.tool_call_limits[tool]` executed calls of `tool` already made."""
-        limits = self.settings.tool_call_limits
-        if not limits or tool not in limits:
-            return False
-        used = sum(1 for c in row.traj.tool_calls if c.tool == tool and c.error_kind != "limit")
-        return used >= limits[tool]
-
-    def _at_tool_limit(self, row: RowState, tool: str) -> None:
-        if self.settings.on_limit == "stop":
-            self._at_limit(row, tool)
-            return
-        from appo.tools.base import ToolResult
-
-        text = TOOL_LIMIT_MESSAGE.format(tool=tool, limit=self.settings.tool_call_limits[tool])
-        self._append_result(row, tool, self._call_content(row, tool),
-                            ToolResult(text, ok=False, error_kind="limit"))
-
-    def _append_result(self, row: RowState, tool: str, content: str, result: Any) -> None:
-        text = self.settings.result_template.replace("{text}", str(result.text))
+    def _append_results(self, row: RowState, slots: list[_Slot]) -> None:
+        """One forced segment answering every call of the turn (tags: one call)."""
+        text = self.format.forced_text([(s.call, str(s.result.text)) for s in slots])
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         budget = self._budget(row)
         truncated = len(ids) >= budget
         ids = ids[:budget]
         start, end = self._add_forced(row, ids)
-        row.traj.tool_calls.append(
-            ToolCallRecord(
-                tool=tool,
-                content=content,
-                result=str(result.text),
-                ok=bool(result.ok),
-                error_kind=result.error_kind,
-                latency_s=float(result.latency_s),
-                cached=bool(result.cached),
-                result_start=start,
-                result_end=end,
-            )
-        )
+        for s in slots:
+            r = s.result
+            row.traj.tool_calls.append(ToolCallRecord(
+                tool=s.call.tool, content=s.call.content, result=str(r.text), ok=bool(r.ok),
+                error_kind=r.error_kind, latency_s=float(r.latency_s), cached=bool(r.cached),
+                result_start=start, result_end=end,
+            ))
         if truncated:
             self._finish(row, "length", truncated=True)
         else:

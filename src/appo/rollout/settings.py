@@ -30,6 +30,7 @@ class RolloutSettings:
     entropy_measure: str = _R.entropy_measure
     sampling: SamplingParams = field(default_factory=SamplingParams)
     result_template: str = _R.result_template
+    call_format: str = _T.format  # tools.format (appo.tools.formats)
     on_limit: str = _R.on_limit
     call_limit: int = _T.call_limit
     # Per-tool call limits on top of `call_limit` (`eval.tool_call_limits`); None: none.
@@ -60,6 +61,11 @@ class RolloutSettings:
                 f"rollout.entropy_measure must be one of {', '.join(ENTROPY_MEASURES)}, "
                 f"got {self.entropy_measure!r}"
             )
+        from appo.tools.formats import CALL_FORMATS
+
+        if self.call_format not in CALL_FORMATS:
+            raise AppoError(f"tools.format must be one of {', '.join(CALL_FORMATS)}, "
+                            f"got {self.call_format!r}")
         if "{text}" not in self.result_template:
             raise AppoError("rollout.result_template must contain {text}")
         if self.n < 1 or self.initial_rollouts < 1 or self.beam_size < 1:
@@ -85,6 +91,7 @@ class RolloutSettings:
             entropy_measure=str(r.entropy_measure),
             sampling=SamplingParams.from_config(r),
             result_template=str(r.result_template),
+            call_format=str(cfg.tools.format),
             on_limit=str(r.on_limit),
             call_limit=int(cfg.tools.call_limit),
             max_response_length=int(cfg.data.max_response_length),

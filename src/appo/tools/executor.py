@@ -118,6 +118,13 @@ class ToolExecutor:
     def tags(self) -> list[str]:
         return [tool.tag for tool in self.tools.values()]
 
+    @property
+    def schemas(self) -> list[dict]:
+        """Each tool's function schema (native call formats, `tools.format=hermes`)."""
+        from appo.tools.formats import function_schema
+
+        return [function_schema(name, tool) for name, tool in self.tools.items()]
+
     def resolve(self, name_or_tag: str) -> Tool | None:
         return self.tools.get(name_or_tag) or self._by_tag.get(name_or_tag)
 

@@ -67,6 +67,11 @@ class PythonTool:
     """
 
     enforces_timeout = True  # the sandbox bounds every run; no executor watchdog needed
+    # The function schema of native call formats (appo.tools.formats.function_schema).
+    description = ("Run Python code in a sandbox and return what it prints (the value of a "
+                   "final bare expression is printed too).")
+    argument = "code"
+    argument_description = "The Python code to run."
 
     def __init__(
         self,

@@ -127,6 +127,22 @@ def build_tool(class_path: str, params: Mapping | None = None, *, name: str | No
     return tool
 
 
+def tool_schemas(tools_cfg: Any) -> list[dict]:
+    """The function schemas of the enabled tools, from their classes (nothing is started):
+    what the chat template gets as `tools=` with `tools.format=hermes`."""
+    from appo.tools.formats import function_schema
+
+    instances = _plain(_get(tools_cfg, "tool_instances", {})) or {}
+    enabled = _plain(_get(tools_cfg, "enabled", None))
+    schemas = []
+    for name, inst in instances.items():
+        if enabled is not None and name not in set(enabled):
+            continue
+        where = f"tools.tool_instances.{name}.class_path"
+        schemas.append(function_schema(name, import_class(_get(inst, "class_path"), where)))
+    return schemas
+
+
 def build_tools(tools_cfg: Any) -> ToolExecutor:
     """`cfg.tools` (or anything with the same attributes/keys) -> a ready ToolExecutor."""
     instances = _plain(_get(tools_cfg, "tool_instances", {})) or {}

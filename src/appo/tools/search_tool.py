@@ -37,6 +37,10 @@ class SearchTool:
     enforces_timeout = True  # backends use network timeouts; bm25 and the cache are local
     retry_timeouts = True  # a server that did not answer in time may answer a retry
     takes_context = True  # the page step's summary prompt reads the reasoning so far
+    # The function schema of native call formats (appo.tools.formats.function_schema).
+    description = "Search for documents about a query and return the best pages' snippets."
+    argument = "query"
+    argument_description = "The search query."
 
     def __init__(
         self,

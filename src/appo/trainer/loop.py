@@ -193,9 +193,9 @@ class RLTrainer:
         # The data stage rendered the chat template when it checked the prompt's length.
         if ex.prompt_ids is not None:
             return list(ex.prompt_ids)
-        from appo.data.rl import render_prompt_ids
+        from appo.data.rl import render_prompt_ids, template_tools
 
-        return render_prompt_ids(ex.prompt, self.tokenizer)
+        return render_prompt_ids(ex.prompt, self.tokenizer, template_tools(self.cfg))
 
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         a = self.cfg.actor
@@ -339,6 +339,7 @@ class RLTrainer:
         if self.fsdp:
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             shard_model(self.model, self.dp.world)
+        check_call_format(cfg, self.tokenizer, announce=self.dp.is_main)
         self.tools = build_tools(cfg.tools)
         train = rl_data_from_config(cfg, "train", self.tokenizer)
         self.train_data = train.examples
@@ -435,6 +436,25 @@ class RLTrainer:
         if o.lr_scheduler == "cosine":
             return get_cosine_schedule_with_warmup(self.optimizer, warmup, total)
         return get_constant_schedule_with_warmup(self.optimizer, warmup)
+
+
+def check_call_format(cfg: Any, tokenizer: Any, announce: bool = True) -> None:
+    """With `tools.format=hermes`, the template check (`appo data check-template`) on the
+    model's tokenizer before anything trains: a template that would make the trained tokens
+    differ from what its chat template renders stops the run with one line."""
+    if cfg.tools.format != "hermes":
+        return
+    from appo.config import enabled_tool_names
+    from appo.rollout.template_check import check_template
+    from appo.tools.registry import tool_schemas
+
+    schemas = tool_schemas(cfg.tools)
+    if not schemas:
+        return  # no tools: nothing is called, every turn is a plain assistant turn
+    report = check_template(tokenizer, "hermes", schemas, enabled_tool_names(cfg.tools),
+                            cfg.rollout.result_template)
+    if announce:
+        print(f"appo: {report.line()}", flush=True)
 
 
 def _report_overlong(key: str, data: Any, limit: int) -> None:
