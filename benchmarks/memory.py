@@ -40,8 +40,9 @@ def rss_mb() -> float:
 class PhaseMemory:
     """RSS sampled in a thread; `with mem.phase(name)` attributes samples to `name`."""
 
-    def __init__(self, interval: float = 0.005):
+    def __init__(self, interval: float = 0.005, progress: str = ""):
         self.interval = interval
+        self.progress = progress
         self.rows: list[dict] = []
         self._current: dict | None = None
         self._started = 0
@@ -71,6 +72,9 @@ class PhaseMemory:
             row["peak"] = max(row["peak"], row["end"])
             row["seconds"] = time.perf_counter() - t0
             self.rows.append(row)
+            if self.progress:  # a long run shows its phases as they finish
+                with open(self.progress, "a") as f:
+                    f.write(json.dumps(row) + "\n")
             self._current = outer
             if outer is not None:
                 outer["peak"] = max(outer["peak"], row["peak"])
@@ -120,7 +124,7 @@ def child(args) -> dict:
     from appo.trainer.demo import demo_config
 
     torch.set_num_threads(2)
-    mem = PhaseMemory()
+    mem = PhaseMemory(progress=args.progress)
     tmp = tempfile.mkdtemp(prefix="appo-mem-")
     overrides = [f"trainer.default_local_dir={tmp}/rl", f"sft.output_dir={tmp}/sft",
                  f"trainer.rollout_data_dir={tmp}/rl/rollouts", "trainer.logger=[jsonl]",
@@ -195,6 +199,7 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="comma-separated NAME:key=value;key=value variants, each in a child")
     p.add_argument("--json", default="")
+    p.add_argument("--progress", default="", help="append each finished phase to this JSONL")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -211,6 +216,8 @@ def main() -> None:
     for name, sets in variants:
         cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps),
                "--sft-steps", str(args.sft_steps), "--eval", str(args.eval)]
+        if args.progress:
+            cmd += ["--progress", args.progress]
         for s in args.set + sets:
             cmd += ["--set", s]
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
