@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -171,7 +172,9 @@ def _mean_curve(runs: list[RunCurve], key: str) -> tuple[np.ndarray, np.ndarray,
     """Steps every run reached: (steps, mean value, mean cumulative sampled tokens)."""
     n = min(len(r.steps) for r in runs)
     steps = np.array(runs[0].steps[:n])
-    vals = np.nanmean([r.values[key][:n] for r in runs], axis=0)
+    with warnings.catch_warnings():  # a metric a run did not log: nan, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        vals = np.nanmean([r.values[key][:n] for r in runs], axis=0)
     toks = np.nanmean([np.nancumsum(r.tokens[:n]) for r in runs], axis=0)
     return steps, vals, toks
 

@@ -1,7 +1,7 @@
 """The comparison spec: a base config, named variants, seeds and held-out evaluation sets.
 
 ```yaml
-output_dir: runs/compare/arith      # relative paths: to the spec file's folder
+output_dir: runs/compare/arith      # paths: relative to the working directory, as for appo train
 base:
   config: configs/demo.yaml         # optional; then `overrides` on top
   overrides: [model.path=runs/demo/sft/final, trainer.total_steps=20]
@@ -167,10 +167,9 @@ def parse_spec(data: Any, path: Path) -> CompareSpec:
     base = data.get("base") or {}
     if not isinstance(base, dict) or set(base) - {"config", "overrides"}:
         raise AppoError(f"{path}: base must be a mapping with `config` and/or `overrides`")
-    here = path.parent
     base_config = base.get("config")
-    if base_config is not None:
-        base_config = str(here / base_config)
+    if base_config is not None and not isinstance(base_config, str):
+        raise AppoError(f"{path}: base.config must be a config file path")
     base_overrides = _strings(base.get("overrides"), "base.overrides")
     _check_managed(base_overrides, "base.overrides")
     variants_raw = data.get("variants")
@@ -185,7 +184,7 @@ def parse_spec(data: Any, path: Path) -> CompareSpec:
             or len(set(seeds)) != len(seeds)):
         raise AppoError(f"{path}: seeds must be a non-empty list of distinct integers")
     output_dir = data.get("output_dir") or f"runs/compare/{path.stem}"
-    spec = CompareSpec(path=path, output_dir=here / str(output_dir), base_config=base_config,
+    spec = CompareSpec(path=path, output_dir=Path(str(output_dir)), base_config=base_config,
                        base_overrides=base_overrides, variants=variants, seeds=list(seeds),
                        eval=_eval(data.get("eval")))
     spec.budgets = check_budget(spec)
