@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appo.compare import runner
 from appo.compare.report import write_report
 from appo.compare.runner import RESULT_FILE, pair_state, run_comparison, run_pair
 from appo.compare.spec import load_spec
@@ -47,7 +48,7 @@ def write_spec(tmp_path: Path, variants: dict | None = None, seeds=(1, 2)) -> Pa
     return path
 
 
-def test_resume_runs_only_missing_pairs(tmp_path):
+def test_resume_runs_only_missing_pairs(tmp_path, monkeypatch):
     spec = load_spec(write_spec(tmp_path))
     calls: list[tuple[str, int, str]] = []
 
@@ -55,29 +56,39 @@ def test_resume_runs_only_missing_pairs(tmp_path):
         calls.append((variant, seed, pair_state(spec_, variant, seed)))
         return run_pair(spec_, variant, seed, progress=False)
 
-    assert run_comparison(spec, run=counting) == spec.pairs()
-    assert len(calls) == 4 and all(state == "missing" for *_, state in calls)
+    # First invocation, stopped (Ctrl-C) in the third pair after its training, before its
+    # evaluation: two pairs done, one with a checkpoint but no result, one not started.
+    real_evaluate = runner.evaluate_pair
+
+    def interrupted(spec_, trainer, variant, seed):
+        if (variant, seed) == ("grpo", 2):
+            raise KeyboardInterrupt
+        return real_evaluate(spec_, trainer, variant, seed)
+
+    monkeypatch.setattr(runner, "evaluate_pair", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(spec, run=counting)
+    monkeypatch.setattr(runner, "evaluate_pair", real_evaluate)
+    assert [pair_state(spec, v, s) for v, s in spec.pairs()] == [
+        "done", "done", "partial", "missing"]
     first = json.loads((spec.run_dir("arpo", 1) / RESULT_FILE).read_text())
     assert first["steps"] == 1 and len(first["sets"]["toy"]["greedy"]) == 3
     assert all(0 <= c <= 2 for c in first["sets"]["toy"]["sampled_correct"])
-    # Everything done: a rerun runs nothing.
-    calls.clear()
-    assert run_comparison(spec, run=counting) == [] and calls == []
-    # Make one pair unfinished (killed before its evaluation: checkpoint, no result) and
-    # remove another entirely; the rest must be left alone.
-    (spec.run_dir("arpo", 2) / RESULT_FILE).unlink()
-    import shutil
-    shutil.rmtree(spec.run_dir("grpo", 1))
     untouched = {p: (spec.run_dir(*p) / RESULT_FILE).stat().st_mtime_ns
-                 for p in [("arpo", 1), ("grpo", 2)]}
-    assert run_comparison(spec, run=counting) == [("grpo", 1), ("arpo", 2)]
-    assert calls == [("grpo", 1, "missing"), ("arpo", 2, "partial")]
+                 for p in [("grpo", 1), ("arpo", 1)]}
+    # The restart runs exactly the two unfinished pairs; the finished ones are left alone.
+    calls.clear()
+    assert run_comparison(spec, run=counting) == [("grpo", 2), ("arpo", 2)]
+    assert calls == [("grpo", 2, "partial"), ("arpo", 2, "missing")]
     for p, mtime in untouched.items():
         assert (spec.run_dir(*p) / RESULT_FILE).stat().st_mtime_ns == mtime
-    resumed = json.loads((spec.run_dir("arpo", 2) / RESULT_FILE).read_text())
-    assert resumed["steps"] == 1  # resumed at its last checkpoint, not retrained
-    rows = (spec.run_dir("arpo", 2) / "metrics.jsonl").read_text().splitlines()
+    resumed = json.loads((spec.run_dir("grpo", 2) / RESULT_FILE).read_text())
+    assert resumed["steps"] == 1  # resumed from its checkpoint, not trained again
+    rows = (spec.run_dir("grpo", 2) / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1]
+    # Everything done: a third invocation runs nothing.
+    calls.clear()
+    assert run_comparison(spec, run=counting) == [] and calls == []
     report = write_report(spec, resamples=200).read_text()
     assert "Finished pairs: 4 of 4." in report and "grpo - arpo" in report
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -86,3 +88,17 @@ def test_cli_refuses_unequal_budget_in_one_line(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "grpo seed 1: missing" in ok.stdout and "arpo seed 3: missing" in ok.stdout
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_the_study_spec_is_valid(monkeypatch):
+    # docs/study/spec.yaml (issue 23's study): paths are relative to the repository root.
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    spec = load_spec("docs/study/spec.yaml")
+    assert [v.name for v in spec.variants] == ["grpo", "arpo", "aepo", "appo"]
+    assert spec.seeds == [1, 2, 3] and len(spec.pairs()) == 12
+    assert not any(v.allow_budget_difference for v in spec.variants)
+    cfg = spec.config("appo", 3)
+    assert (cfg.rollout.strategy, cfg.algorithm.adv_estimator, cfg.actor.policy_loss) == (
+        "appo", "appo", "future_kl")
+    assert all(int(s.split("n=")[-1]) >= 100 for s in spec.eval.sets.values())
