@@ -103,7 +103,9 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
         lines.append(f"| {v.name} | " + " | ".join(str(b.get(k)) for k in BUDGET_KEYS)
                      + f" | {'allow_budget_difference' if v.allow_budget_difference else ''} |")
     lines += ["", "## Cost (training, mean over finished seeds)", "",
-              "| variant | seeds | steps | sampled tokens | branches / step | wall time (s) | "
+              "Sampled tokens: decoded in all training rollouts (95% t-interval); step time:"
+              " the sum of the runs' step times (start-up and evaluation excluded).", "",
+              "| variant | seeds | steps | sampled tokens | branches / step | step time (s) | "
               "eval time (s) |", "|" + " --- |" * 7]
     for n in names:
         fin = [curves[n][s] for s in results[n] if s in curves[n]]
