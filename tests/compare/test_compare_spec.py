@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appo.compare.runner import check_eval_sets
 from appo.compare.spec import load_spec
 from appo.errors import AppoError
 from cli_runner import run_cli
@@ -86,6 +87,7 @@ def test_cli_refuses_unequal_budget_in_one_line(tmp_path):
         "data.max_response_length) or mark it `allow_budget_difference: true`"]
     ok = run_cli("compare", str(_write(tmp_path)), "--dry-run")
     assert ok.returncode == 0, ok.stderr
+    assert "eval sets set1 (4 questions)" in ok.stdout
     assert "grpo seed 1: missing" in ok.stdout and "arpo seed 3: missing" in ok.stdout
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
@@ -102,3 +104,10 @@ def test_the_study_spec_is_valid(monkeypatch):
     assert (cfg.rollout.strategy, cfg.algorithm.adv_estimator, cfg.actor.policy_loss) == (
         "appo", "appo", "future_kl")
     assert all(int(s.split("n=")[-1]) >= 100 for s in spec.eval.sets.values())
+
+
+def test_a_missing_eval_set_is_refused_before_any_training(tmp_path):
+    spec = load_spec(_write(tmp_path, eval={"sets": {"gone": str(tmp_path / "nope.jsonl")}}))
+    with pytest.raises(AppoError, match="nope.jsonl"):
+        check_eval_sets(spec)
+    assert check_eval_sets(load_spec(_write(tmp_path))) == {"set1": 4}

@@ -7,10 +7,14 @@ import argparse
 
 def _compare(args: argparse.Namespace) -> int:
     from appo.compare.report import write_report
-    from appo.compare.runner import pair_state, run_comparison
+    from appo.compare.runner import check_eval_sets, pair_state, run_comparison
     from appo.compare.spec import load_spec
 
     spec = load_spec(args.spec)
+    if not args.report:
+        sizes = check_eval_sets(spec)
+        print("appo compare: eval sets " + ", ".join(f"{k} ({n} questions)"
+                                                     for k, n in sizes.items()))
     if args.dry_run:
         print(f"appo compare: {len(spec.variants)} variants x {len(spec.seeds)} seeds, "
               f"output {spec.output_dir}")

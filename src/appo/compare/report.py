@@ -135,7 +135,7 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
             calls = t_interval([np.mean(r.sets[set_name].tool_calls) for r in rs])
             lines.append(f"| {n} | {len(rs)} | {len(rs[0].sets[set_name].greedy)} | {_fmt(g)} "
                          f"| {_fmt(k)} | {_fmt(calls, pct=False)} |")
-        lines += ["", "Differences (row minus column variant, points), paired bootstrap "
+        lines += ["", "Differences (first minus second variant, points), paired bootstrap "
                   f"over questions and the seeds both finished ({resamples} resamples):", "",
                   "| pair | seeds | greedy pass@1 | sampled pass@k |", "|" + " --- |" * 4]
         for a, b in combinations(names, 2):

@@ -103,8 +103,6 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
 
 def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> PairResult:
     """Greedy pass@1 and sampled pass@k on every eval set with the trained policy."""
-    from appo.data.rl import load_rl_data
-    from appo.data.templates import tools_from_config
     from appo.rollout.sampling import SamplingParams
     from appo.trainer.evaluate import evaluate
 
@@ -119,12 +117,7 @@ def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> P
         temperature=e.temperature, top_p=e.top_p, top_k=e.top_k))
     result = PairResult(variant=variant, seed=seed, steps=trainer.step, eval_seconds=0.0)
     for i, (name, files) in enumerate(spec.eval.sets.items()):
-        examples = load_rl_data([files], template=cfg.data.template,
-                                tools=tools_from_config(cfg), prompt_key=cfg.data.prompt_key,
-                                tokenizer=trainer.tokenizer,
-                                max_prompt_length=cfg.data.max_prompt_length,
-                                overlong=cfg.data.overlong,
-                                stage_prompt=cfg.data.appo_stage_prompt).examples
+        examples = load_eval_set(cfg, files, trainer.tokenizer)
         eval_seed = EVAL_SEED + 1009 * seed + i
         g = evaluate(trainer, examples, f"g{i}", eval_seed, greedy)
         s = evaluate(trainer, examples, f"k{i}", eval_seed + 1, sampled)
@@ -140,6 +133,33 @@ def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> P
                                       tool_calls=calls)
     result.eval_seconds = time.perf_counter() - start
     return result
+
+
+def load_eval_set(cfg: Any, files: str, tokenizer: Any = None) -> list:
+    """The `RLExample`s of one eval set, loaded as the run's own data (template, tools)."""
+    from appo.data.rl import load_rl_data
+    from appo.data.templates import tools_from_config
+
+    return load_rl_data([files], template=cfg.data.template, tools=tools_from_config(cfg),
+                        prompt_key=cfg.data.prompt_key, tokenizer=tokenizer,
+                        max_prompt_length=(cfg.data.max_prompt_length if tokenizer is not None
+                                           else None),
+                        overlong=cfg.data.overlong,
+                        stage_prompt=cfg.data.appo_stage_prompt).examples
+
+
+def check_eval_sets(spec: CompareSpec) -> dict[str, int]:
+    """Load every eval set once before anything trains, so a mistyped file is one error
+    now rather than after the first run; returns the number of questions per set."""
+    from appo.errors import AppoError
+
+    cfg = spec.config(spec.variants[0].name, spec.seeds[0])
+    sizes = {}
+    for name, files in spec.eval.sets.items():
+        sizes[name] = len(load_eval_set(cfg, files))
+        if not sizes[name]:
+            raise AppoError(f"eval set {name!r} ({files}) has no questions")
+    return sizes
 
 
 def run_comparison(spec: CompareSpec, run: Callable[..., Any] = run_pair,
