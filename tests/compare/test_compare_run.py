@@ -13,6 +13,7 @@ from appo.compare import runner
 from appo.compare.report import write_report
 from appo.compare.runner import RESULT_FILE, pair_state, run_comparison, run_pair
 from appo.compare.spec import load_spec
+from cli_runner import run_cli
 
 REWARD_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -141,3 +142,15 @@ def test_pair_state_of_an_empty_directory(tmp_path, state):
     spec = load_spec(write_spec(tmp_path))
     spec.run_dir("grpo", 1).mkdir(parents=True)
     assert pair_state(spec, "grpo", 1) == state
+
+
+def test_cli_report_runs_nothing(tmp_path):
+    path = write_spec(tmp_path)
+    spec = load_spec(path)
+    _fake_result(spec, "arpo", 2, [1.0, 0.0, 1.0], [1, 0, 2])
+    result = run_cli("compare", str(path), "--report")
+    assert result.returncode == 0, result.stderr
+    assert "appo compare: report" in result.stdout and "ran" not in result.stdout
+    text = (spec.output_dir / "report" / "report.md").read_text()
+    assert "Finished pairs: 1 of 4." in text and "| arpo | 1 | 3 | 66.7 (1 seed) |" in text
+    assert sorted(p.name for p in (spec.output_dir / "runs").iterdir()) == ["arpo"]
