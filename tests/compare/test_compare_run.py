@@ -116,7 +116,7 @@ def _fake_result(spec, variant, seed, greedy, sampled):
     (run / RESULT_FILE).write_text(json.dumps({
         "variant": variant, "seed": seed, "steps": 1, "eval_seconds": 1.0,
         "sets": {"toy": {"greedy": greedy, "sampled_correct": sampled, "k": 2,
-                         "tool_calls": [1] * len(greedy)}}}))
+                         "tool_calls": [1] * len(greedy), "files": spec.eval.sets["toy"]}}}))
 
 
 def test_report_intervals_and_distinguishable_sentence(tmp_path):
@@ -154,3 +154,13 @@ def test_cli_report_runs_nothing(tmp_path):
     text = (spec.output_dir / "report" / "report.md").read_text()
     assert "Finished pairs: 1 of 4." in text and "| arpo | 1 | 3 | 66.7 (1 seed) |" in text
     assert sorted(p.name for p in (spec.output_dir / "runs").iterdir()) == ["arpo"]
+
+
+def test_report_leaves_out_results_of_a_changed_eval_set(tmp_path):
+    spec = load_spec(write_spec(tmp_path))
+    _fake_result(spec, "grpo", 1, [1.0, 0.0, 1.0], [1, 0, 2])
+    _fake_result(spec, "arpo", 1, [1.0, 1.0, 1.0], [1, 1, 2])
+    spec.eval.sets["toy"] += "&seed=5"  # the spec now names other questions
+    text = write_report(spec, resamples=50).read_text()
+    assert "left out of that set's table): grpo/seed1 `toy`, arpo/seed1 `toy`." in text
+    assert "| grpo | 0 | - |" in text and "| grpo - arpo | 0 | - | - |" in text

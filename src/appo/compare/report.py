@@ -61,6 +61,13 @@ def read_curve(run_dir: Path) -> RunCurve:
     return curve
 
 
+def has_set(spec: CompareSpec, result: PairResult, set_name: str) -> bool:
+    """The result holds this set as the spec names it now (a set whose file or k changed
+    since the pair was evaluated is left out rather than compared with the new one)."""
+    s = result.sets.get(set_name)
+    return s is not None and s.files == spec.eval.sets[set_name] and s.k == spec.eval.k
+
+
 def scores(result: PairResult, set_name: str, metric: str) -> list[float]:
     s = result.sets[set_name]
     return list(s.greedy) if metric == "greedy" else s.pass_at_k
@@ -96,6 +103,11 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                if s not in results[v]]
     if pending:
         lines.append("Not finished (not in the tables): " + ", ".join(pending) + ".")
+    stale = [f"{v}/seed{s} `{name}`" for v, s in spec.pairs() if s in results[v]
+             for name in spec.eval.sets if not has_set(spec, results[v][s], name)]
+    if stale:
+        lines.append("Evaluated on another version of an eval set (file or k changed; left "
+                     "out of that set's table): " + ", ".join(stale) + ".")
     lines += ["", "## Budget", "", "| variant | " + " | ".join(BUDGET_KEYS) + " | marked |",
               "|" + " --- |" * (len(BUDGET_KEYS) + 2)]
     for v in spec.variants:
@@ -126,7 +138,7 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                   "| variant | seeds | questions | greedy pass@1 | sampled pass@k | "
                   "tool calls / answer |", "|" + " --- |" * 6]
         for n in names:
-            rs = [r for r in results[n].values() if set_name in r.sets]
+            rs = [r for r in results[n].values() if has_set(spec, r, set_name)]
             if not rs:
                 lines.append(f"| {n} | 0 | - | - | - | - |")
                 continue
@@ -140,7 +152,8 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                   "| pair | seeds | greedy pass@1 | sampled pass@k |", "|" + " --- |" * 4]
         for a, b in combinations(names, 2):
             common = sorted(s for s in results[a] if s in results[b]
-                            and set_name in results[a][s].sets and set_name in results[b][s].sets)
+                            and has_set(spec, results[a][s], set_name)
+                            and has_set(spec, results[b][s], set_name))
             if not common:
                 lines.append(f"| {a} - {b} | 0 | - | - |")
                 continue

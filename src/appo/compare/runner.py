@@ -39,6 +39,7 @@ class SetResult:
     sampled_correct: list[int]  # correct answers among k samples
     k: int
     tool_calls: list[int]  # tool calls of the greedy answer
+    files: str = ""  # the eval set's data spec when it was evaluated
 
     @property
     def pass_at_k(self) -> list[float]:
@@ -130,7 +131,7 @@ def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> P
         for out, ex in zip(s.rewards, s.examples, strict=True):
             correct[index[id(ex)]] += int(out.accuracy > 0)
         result.sets[name] = SetResult(greedy=greedy_acc, sampled_correct=correct, k=e.k,
-                                      tool_calls=calls)
+                                      tool_calls=calls, files=files)
     result.eval_seconds = time.perf_counter() - start
     return result
 
