@@ -174,7 +174,8 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     else:
         lines.append("No difference is distinguishable from noise: every 95% paired bootstrap "
                      "interval includes 0.")
-    lines += ["", "## Learning curves", "", "Mean over the seeds run so far (finished or not).",
+    lines += ["", "## Learning curves", "", "Mean over the seeds run so far (finished or not); "
+              "the band spans the lowest to the highest seed.",
               "", "![against step](curves_step.png)", "",
               "![against sampled tokens](curves_tokens.png)", ""]
     plot_curves(curves, out)
@@ -183,15 +184,18 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     return path
 
 
-def _mean_curve(runs: list[RunCurve], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Steps every run reached: (steps, mean value, mean cumulative sampled tokens)."""
+def _mean_curve(runs: list[RunCurve], key: str) -> tuple[np.ndarray, ...]:
+    """Over the steps every run reached: steps, the mean, lowest and highest value over the
+    runs, and the mean cumulative sampled tokens."""
     n = min(len(r.steps) for r in runs)
     steps = np.array(runs[0].steps[:n])
+    values = np.array([r.values[key][:n] for r in runs])  # [runs, steps]
     with warnings.catch_warnings():  # a metric a run did not log: nan, not a warning
         warnings.simplefilter("ignore", RuntimeWarning)
-        vals = np.nanmean([r.values[key][:n] for r in runs], axis=0)
+        mean, low, high = (np.nanmean(values, axis=0), np.nanmin(values, axis=0),
+                           np.nanmax(values, axis=0))
     toks = np.nanmean([np.nancumsum(r.tokens[:n]) for r in runs], axis=0)
-    return steps, vals, toks
+    return steps, mean, low, high, toks
 
 
 def plot_curves(curves: dict[str, dict[int, RunCurve]], out: Path) -> None:
@@ -207,9 +211,11 @@ def plot_curves(curves: dict[str, dict[int, RunCurve]], out: Path) -> None:
                 runs_ = [r for r in runs.values() if r.steps]
                 if not runs_:
                     continue
-                steps, vals, toks = _mean_curve(runs_, key)
-                ax.plot(steps if x_name == "step" else toks, vals, marker=".",
-                        label=f"{name} ({len(runs_)} seeds)")
+                steps, mean, low, high, toks = _mean_curve(runs_, key)
+                x = steps if x_name == "step" else toks
+                [line] = ax.plot(x, mean, marker=".", label=f"{name} ({len(runs_)} seeds)")
+                if len(runs_) > 1:  # the spread over seeds: lowest to highest
+                    ax.fill_between(x, low, high, color=line.get_color(), alpha=0.15)
             ax.set_xlabel(x_name)
             ax.set_title(key)
             ax.grid(alpha=0.3)
