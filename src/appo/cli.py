@@ -31,6 +31,7 @@ COMMAND_MODULES = [
     "appo.rollout.commands",
     "appo.trainer.commands",
     "appo.eval.commands",
+    "appo.compare.commands",
 ]
 
 

@@ -1,0 +1,182 @@
+"""Run the missing (variant, seed) pairs of a comparison, each as an ordinary `appo train`
+run in its own directory, then evaluate it on the held-out sets.
+
+A pair's state comes from its run directory alone, so the command can be stopped at any
+moment and started again:
+- `done`: `result.json` exists (written atomically after the evaluation): skipped;
+- `partial`: a checkpoint exists: training resumes from it (`trainer.resume=true`), then the
+  evaluation runs;
+- `missing`: nothing usable (no directory, or one with no checkpoint yet): a fresh run
+  (an unfinished directory without a checkpoint is replaced, `trainer.overwrite=true`).
+
+Evaluation per set (`PairResult`): greedy pass@1 (one answer at temperature 0) and sampled
+pass@k (k answers at `eval.temperature`; a question counts when any is correct), per question
+so the report can pair questions across variants. The evaluation seed depends on the run's
+seed only, so every variant of a seed answers under the same sampling seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appo.compare.spec import CompareSpec
+from appo.fsutil import atomic_write_text
+
+RESULT_FILE = "result.json"
+EVAL_SEED = 20_000_003
+
+
+@dataclass
+class SetResult:
+    """Per-question scores on one eval set (lists aligned with the set's questions)."""
+
+    greedy: list[float]  # accuracy of the greedy answer
+    sampled_correct: list[int]  # correct answers among k samples
+    k: int
+    tool_calls: list[int]  # tool calls of the greedy answer
+    files: str = ""  # the eval set's data spec when it was evaluated
+
+    @property
+    def pass_at_k(self) -> list[float]:
+        return [1.0 if c > 0 else 0.0 for c in self.sampled_correct]
+
+
+@dataclass
+class PairResult:
+    variant: str
+    seed: int
+    steps: int
+    eval_seconds: float
+    sets: dict[str, SetResult] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PairResult:
+        sets = {k: SetResult(**v) for k, v in d["sets"].items()}
+        return cls(variant=d["variant"], seed=int(d["seed"]), steps=int(d["steps"]),
+                   eval_seconds=float(d["eval_seconds"]), sets=sets)
+
+
+def pair_state(spec: CompareSpec, variant: str, seed: int) -> str:
+    """`done`, `partial` or `missing` (module docstring)."""
+    from appo.trainer.checkpoint import latest_checkpoint
+
+    run = spec.run_dir(variant, seed)
+    if (run / RESULT_FILE).is_file():
+        return "done"
+    if run.is_dir() and latest_checkpoint(run) is not None:
+        return "partial"
+    return "missing"
+
+
+def load_result(spec: CompareSpec, variant: str, seed: int) -> PairResult | None:
+    path = spec.run_dir(variant, seed) / RESULT_FILE
+    if not path.is_file():
+        return None
+    return PairResult.from_dict(json.loads(path.read_text()))
+
+
+def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) -> PairResult:
+    """Train (or resume) one pair and evaluate it; writes `result.json` last."""
+    from appo.trainer.loop import RLTrainer
+
+    resume = pair_state(spec, variant, seed) == "partial"
+    cfg = spec.config(variant, seed, resume=resume)
+    if not resume:
+        cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
+    trainer = RLTrainer(cfg, progress=progress)
+    try:
+        trainer.fit(close=False)
+        result = evaluate_pair(spec, trainer, variant, seed)
+    finally:
+        trainer.tools.close()
+    if trainer.dp.is_main:
+        atomic_write_text(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
+    return result
+
+
+def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> PairResult:
+    """Greedy pass@1 and sampled pass@k on every eval set with the trained policy."""
+    from appo.rollout.sampling import SamplingParams
+    from appo.trainer.evaluate import evaluate
+
+    start = time.perf_counter()
+    cfg, e = trainer.cfg, spec.eval
+    base = trainer.settings
+    if e.max_response_length is not None:
+        base = dataclasses.replace(base, max_response_length=e.max_response_length)
+    greedy = dataclasses.replace(base, n=1, initial_rollouts=1,
+                                 sampling=SamplingParams(temperature=0.0))
+    sampled = dataclasses.replace(base, n=e.k, initial_rollouts=e.k, sampling=SamplingParams(
+        temperature=e.temperature, top_p=e.top_p, top_k=e.top_k))
+    result = PairResult(variant=variant, seed=seed, steps=trainer.step, eval_seconds=0.0)
+    for i, (name, files) in enumerate(spec.eval.sets.items()):
+        examples = load_eval_set(cfg, files, trainer.tokenizer)
+        eval_seed = EVAL_SEED + 1009 * seed + i
+        g = evaluate(trainer, examples, f"g{i}", eval_seed, greedy)
+        s = evaluate(trainer, examples, f"k{i}", eval_seed + 1, sampled)
+        index = {id(ex): j for j, ex in enumerate(examples)}
+        greedy_acc, calls = [0.0] * len(examples), [0] * len(examples)
+        for traj, out, ex in zip(g.trajectories, g.rewards, g.examples, strict=True):
+            greedy_acc[index[id(ex)]] = float(out.accuracy)
+            calls[index[id(ex)]] = int(traj.num_tool_calls)
+        correct = [0] * len(examples)
+        for out, ex in zip(s.rewards, s.examples, strict=True):
+            correct[index[id(ex)]] += int(out.accuracy > 0)
+        result.sets[name] = SetResult(greedy=greedy_acc, sampled_correct=correct, k=e.k,
+                                      tool_calls=calls, files=files)
+    result.eval_seconds = time.perf_counter() - start
+    return result
+
+
+def load_eval_set(cfg: Any, files: str, tokenizer: Any = None) -> list:
+    """The `RLExample`s of one eval set, loaded as the run's own data (template, tools)."""
+    from appo.data.rl import load_rl_data
+    from appo.data.templates import tools_from_config
+
+    return load_rl_data([files], template=cfg.data.template, tools=tools_from_config(cfg),
+                        prompt_key=cfg.data.prompt_key, tokenizer=tokenizer,
+                        max_prompt_length=(cfg.data.max_prompt_length if tokenizer is not None
+                                           else None),
+                        overlong=cfg.data.overlong,
+                        stage_prompt=cfg.data.appo_stage_prompt).examples
+
+
+def check_eval_sets(spec: CompareSpec) -> dict[str, int]:
+    """Load every eval set once before anything trains, so a mistyped file is one error
+    now rather than after the first run; returns the number of questions per set."""
+    from appo.errors import AppoError
+
+    cfg = spec.config(spec.variants[0].name, spec.seeds[0])
+    sizes = {}
+    for name, files in spec.eval.sets.items():
+        sizes[name] = len(load_eval_set(cfg, files))
+        if not sizes[name]:
+            raise AppoError(f"eval set {name!r} ({files}) has no questions")
+    return sizes
+
+
+def run_comparison(spec: CompareSpec, run: Callable[..., Any] = run_pair,
+                   after_each: Callable[[], Any] | None = None,
+                   progress: bool = True) -> list[tuple[str, int]]:
+    """Run every pair that is not done, in `spec.pairs()` order; returns the pairs run.
+    `after_each` (e.g. rewriting the report) is called after every finished pair."""
+    ran = []
+    for variant, seed in spec.pairs():
+        state = pair_state(spec, variant, seed)
+        if state == "done":
+            continue
+        print(f"appo compare: {variant} seed {seed} ({'resuming' if state == 'partial' else 'new'})",
+              flush=True)
+        run(spec, variant, seed, progress=progress)
+        ran.append((variant, seed))
+        if after_each is not None:
+            after_each()
+    return ran

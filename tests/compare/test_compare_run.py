@@ -1,0 +1,166 @@
+"""appo compare end to end on tiny-test: pairs run once, a partly finished comparison runs
+only its missing pairs, the report is written from partial results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appo.compare import runner
+from appo.compare.report import write_report
+from appo.compare.runner import RESULT_FILE, pair_state, run_comparison, run_pair
+from appo.compare.spec import load_spec
+from cli_runner import run_cli
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    text = solution_str or ""
+    share = sum(c.islower() and c.isascii() for c in text) / max(len(text), 1)
+    return {"score": share, "acc": float(share > 0.1)}
+'''
+
+
+def write_spec(tmp_path: Path, variants: dict | None = None, seeds=(1, 2)) -> Path:
+    data = tmp_path / "toy.jsonl"
+    with data.open("w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": f"q{i}?"}],
+                                "answer": "7", "data_source": "toy", "ability": "math"}) + "\n")
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    spec = {
+        "output_dir": str(tmp_path / "out"),
+        "base": {"overrides": [
+            "model.path=tiny-test", f"data.train_files=[{data}]", "data.val_files=[]",
+            "data.train_batch_size=2", "data.max_response_length=8",
+            f"custom_reward_function.path={tmp_path / 'reward.py'}", "rollout.n=2",
+            "rollout.initial_rollouts=1", "actor.ppo_mini_batch_size=2",
+            "trainer.total_steps=1", "trainer.logger=[jsonl]"]},
+        "variants": variants or {"grpo": ["rollout.strategy=grpo"],
+                                 "arpo": ["rollout.strategy=arpo"]},
+        "seeds": list(seeds),
+        "eval": {"sets": {"toy": f"{data}?n=3"}, "k": 2, "temperature": 1.0},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_resume_runs_only_missing_pairs(tmp_path, monkeypatch):
+    spec = load_spec(write_spec(tmp_path))
+    calls: list[tuple[str, int, str]] = []
+
+    def counting(spec_, variant, seed, progress=True):
+        calls.append((variant, seed, pair_state(spec_, variant, seed)))
+        return run_pair(spec_, variant, seed, progress=False)
+
+    # First invocation, stopped (Ctrl-C) in the third pair after its training, before its
+    # evaluation: two pairs done, one with a checkpoint but no result, one not started.
+    real_evaluate = runner.evaluate_pair
+
+    def interrupted(spec_, trainer, variant, seed):
+        if (variant, seed) == ("grpo", 2):
+            raise KeyboardInterrupt
+        return real_evaluate(spec_, trainer, variant, seed)
+
+    monkeypatch.setattr(runner, "evaluate_pair", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_comparison(spec, run=counting)
+    monkeypatch.setattr(runner, "evaluate_pair", real_evaluate)
+    assert [pair_state(spec, v, s) for v, s in spec.pairs()] == [
+        "done", "done", "partial", "missing"]
+    first = json.loads((spec.run_dir("arpo", 1) / RESULT_FILE).read_text())
+    assert first["steps"] == 1 and len(first["sets"]["toy"]["greedy"]) == 3
+    assert all(0 <= c <= 2 for c in first["sets"]["toy"]["sampled_correct"])
+    untouched = {p: (spec.run_dir(*p) / RESULT_FILE).stat().st_mtime_ns
+                 for p in [("grpo", 1), ("arpo", 1)]}
+    # The restart runs exactly the two unfinished pairs; the finished ones are left alone.
+    calls.clear()
+    assert run_comparison(spec, run=counting) == [("grpo", 2), ("arpo", 2)]
+    assert calls == [("grpo", 2, "partial"), ("arpo", 2, "missing")]
+    for p, mtime in untouched.items():
+        assert (spec.run_dir(*p) / RESULT_FILE).stat().st_mtime_ns == mtime
+    resumed = json.loads((spec.run_dir("grpo", 2) / RESULT_FILE).read_text())
+    assert resumed["steps"] == 1  # resumed from its checkpoint, not trained again
+    rows = (spec.run_dir("grpo", 2) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1]
+    # Everything done: a third invocation runs nothing.
+    calls.clear()
+    assert run_comparison(spec, run=counting) == [] and calls == []
+    report = write_report(spec, resamples=200).read_text()
+    assert "Finished pairs: 4 of 4." in report and "grpo - arpo" in report
+
+
+def test_report_from_partial_results(tmp_path):
+    spec = load_spec(write_spec(tmp_path))
+    run_pair(spec, "grpo", 1, progress=False)
+    path = write_report(spec, resamples=100)
+    text = path.read_text()
+    assert "Finished pairs: 1 of 4." in text
+    assert "arpo/seed1 (missing)" in text and "grpo/seed2 (missing)" in text
+    assert "| grpo | 1 | 3 |" in text and "| arpo | 0 | - |" in text  # the eval-set table
+    assert "| grpo - arpo | 0 | - | - |" in text
+    for png in ("curves_step.png", "curves_tokens.png"):
+        assert (path.parent / png).stat().st_size > 0
+
+
+def _fake_result(spec, variant, seed, greedy, sampled):
+    run = spec.run_dir(variant, seed)
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "reward/accuracy": 0.5, "time/step": 2.0,
+                    "rollout/tokens_decoded": 100.0, "rollout/branches": 1.0}) + "\n")
+    (run / RESULT_FILE).write_text(json.dumps({
+        "variant": variant, "seed": seed, "steps": 1, "eval_seconds": 1.0,
+        "sets": {"toy": {"greedy": greedy, "sampled_correct": sampled, "k": 2,
+                         "tool_calls": [1] * len(greedy), "files": spec.eval.sets["toy"]}}}))
+
+
+def test_report_intervals_and_distinguishable_sentence(tmp_path):
+    spec = load_spec(write_spec(tmp_path, seeds=(1, 2, 3)))
+    # grpo: greedy accuracies 1/4, 2/4, 3/4 over the seeds -> mean 0.5, s = 0.25, half width
+    # 4.303 * 0.25 / sqrt(3) = 0.621084 -> [-12.1, 112.1] in %; pass@k always 0.
+    # arpo: always right. Sampled pass@k differs by -1 in every (seed, question) cell, so
+    # every resample's mean is -1: [-100, -100] points, distinguishable from noise.
+    for seed, ok in zip((1, 2, 3), (1, 2, 3), strict=True):
+        greedy = [1.0] * ok + [0.0] * (4 - ok)
+        _fake_result(spec, "grpo", seed, greedy, [0, 0, 0, 0])
+        _fake_result(spec, "arpo", seed, [1.0] * 4, [2, 2, 2, 2])
+    text = write_report(spec, resamples=500).read_text()
+    assert "| grpo | 3 | 4 | 50.0 [-12.1, 112.1] | 0.0 [0.0, 0.0] | 1.00 [1.00, 1.00] |" in text
+    assert "| arpo | 3 | 4 | 100.0 [100.0, 100.0] | 100.0 [100.0, 100.0] |" in text
+    assert "grpo vs arpo on `toy` (sampled pass@k: -100.0 [-100.0, -100.0])" in text
+    # Cost: 100 sampled tokens, 1 branch and 2 s in the one step of every seed; 1 s of eval.
+    assert "| grpo | 3 | 1 | 100.00 [100.00, 100.00] | 1.00 | 2 | 1 |" in text
+
+
+@pytest.mark.parametrize("state", ["missing"])
+def test_pair_state_of_an_empty_directory(tmp_path, state):
+    spec = load_spec(write_spec(tmp_path))
+    spec.run_dir("grpo", 1).mkdir(parents=True)
+    assert pair_state(spec, "grpo", 1) == state
+
+
+def test_cli_report_runs_nothing(tmp_path):
+    path = write_spec(tmp_path)
+    spec = load_spec(path)
+    _fake_result(spec, "arpo", 2, [1.0, 0.0, 1.0], [1, 0, 2])
+    result = run_cli("compare", str(path), "--report")
+    assert result.returncode == 0, result.stderr
+    assert "appo compare: report" in result.stdout and "ran" not in result.stdout
+    text = (spec.output_dir / "report" / "report.md").read_text()
+    assert "Finished pairs: 1 of 4." in text and "| arpo | 1 | 3 | 66.7 (1 seed) |" in text
+    assert sorted(p.name for p in (spec.output_dir / "runs").iterdir()) == ["arpo"]
+
+
+def test_report_leaves_out_results_of_a_changed_eval_set(tmp_path):
+    spec = load_spec(write_spec(tmp_path))
+    _fake_result(spec, "grpo", 1, [1.0, 0.0, 1.0], [1, 0, 2])
+    _fake_result(spec, "arpo", 1, [1.0, 1.0, 1.0], [1, 1, 2])
+    spec.eval.sets["toy"] += "&seed=5"  # the spec now names other questions
+    text = write_report(spec, resamples=50).read_text()
+    assert "left out of that set's table): grpo/seed1 `toy`, arpo/seed1 `toy`." in text
+    assert "| grpo | 0 | - |" in text and "| grpo - arpo | 0 | - | - |" in text
