@@ -192,6 +192,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 16
     ppo_max_token_len_per_device: int = 4096
+    # A memory target (GB) for the update: when set, the micro-batch token budget above is
+    # derived from it at start-up (appo.trainer.memory: resident memory, gradients and AdamW
+    # states to come, activation bytes per token measured on the model) and replaces it.
+    max_memory_gb: float | None = None
     logprob_chunk_size: int = 128
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.

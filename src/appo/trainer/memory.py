@@ -1,0 +1,134 @@
+"""Memory of the update: a micro-batch token budget from a memory target, and phase trimming.
+
+`actor.ppo_max_token_len_per_device` (verl's key) is a token count the user must guess: the
+memory it takes depends on the model's width and depth and on what autograd saves for the
+backward pass. With `actor.max_memory_gb` set, the trainer derives that budget instead:
+
+    budget = (target - resident now - gradients and AdamW states still to come - margin)
+             / activation bytes per token
+
+where the activation bytes per token are measured, not modelled: one probe forward of a few
+rows with gradients on, under `torch.autograd.graph.saved_tensors_hooks`, counts the bytes
+of every tensor autograd saves that is not a parameter (each storage once). That covers any
+architecture transformers runs (attention implementation, GQA expansion, norms, MLP). The
+estimate is per computed token of the plain padded forward; the shared-prefix forward saves
+each row's expanded keys/values over the shared prefix too, which `MARGIN` absorbs for the
+short prompts of the demo (the measured breakdown: benchmarks/RESULTS.md, "Where the memory
+goes").
+
+`trim_freed_memory` returns freed heap pages to the system (glibc `malloc_trim`) between
+phases, so one phase's peak does not stay resident through the next.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+from functools import cache
+
+import torch
+
+from appo.errors import AppoError
+
+GIB = 2**30
+MARGIN = 0.15  # of the activation share, for chunk temporaries and the shared prefix's K/V
+MIN_TOKENS = 64
+PROBE_ROWS, PROBE_TOKENS = 2, 64
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def saved_bytes(model, ids: torch.Tensor, lengths: torch.Tensor) -> int:
+    """Bytes autograd saves (parameters excluded, each storage once) for one training
+    forward of `final_hidden_states` over rows `ids` `[B, T]` of `lengths` `[B]`, plain
+    padded path."""
+    from appo.trainer.forward import final_hidden_states
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = final_hidden_states(model, ids, lengths, share_prefix=False)
+    del hidden
+    return sum(seen.values())
+
+
+def activation_bytes_per_token(model) -> float:
+    """Saved bytes per computed token of a training forward (two probe lengths, so fixed
+    costs cancel)."""
+    device = next(model.parameters()).device
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    sizes = []
+    for tokens in (PROBE_TOKENS, 2 * PROBE_TOKENS):
+        ids = torch.randint(0, vocab, (PROBE_ROWS, tokens), generator=gen).to(device)
+        lengths = torch.full((PROBE_ROWS,), tokens)
+        sizes.append(saved_bytes(model, ids, lengths))
+    return max(1.0, (sizes[1] - sizes[0]) / (PROBE_ROWS * PROBE_TOKENS))
+
+
+def pending_optimizer_bytes(model, optimizer) -> int:
+    """Gradients and AdamW moments not allocated yet (before the first step): two moments
+    and one gradient per trainable element, in the parameter's dtype."""
+    have_state = {id(p) for p in optimizer.state}
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        size = p.numel() * p.element_size()
+        total += 0 if p.grad is not None else size
+        total += 0 if id(p) in have_state else 2 * size
+    return total
+
+
+def token_budget(max_memory_gb: float, model, optimizer) -> tuple[int, dict[str, float]]:
+    """Micro-batch tokens that keep the update under `max_memory_gb`, and the figures it
+    came from (GB). Raises AppoError when the target leaves no room for activations."""
+    resident = rss_bytes()
+    pending = pending_optimizer_bytes(model, optimizer)
+    per_token = activation_bytes_per_token(model)
+    room = (max_memory_gb * GIB - resident - pending) * (1 - MARGIN)
+    tokens = int(room // per_token)
+    info = {"resident_gb": resident / GIB, "optimizer_gb": pending / GIB,
+            "mb_per_token": per_token / 2**20, "tokens": tokens}
+    if tokens < MIN_TOKENS:
+        raise AppoError(
+            f"actor.max_memory_gb={max_memory_gb:g} leaves no room for the update: the process "
+            f"holds {resident / GIB:.2f} GB, gradients and AdamW states need "
+            f"{pending / GIB:.2f} GB more, and a micro-batch of {MIN_TOKENS} tokens "
+            f"{MIN_TOKENS * per_token / GIB:.2f} GB (raise it, or leave it unset and set "
+            f"actor.ppo_max_token_len_per_device)")
+    return tokens, info
+
+
+@cache
+def _libc():
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        lib.malloc_trim  # noqa: B018 - glibc only; musl and macOS have none
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_freed_memory() -> None:
+    """Collect garbage and hand the allocator's free pages back to the system (glibc)."""
+    gc.collect()
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)

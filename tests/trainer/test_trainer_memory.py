@@ -1,0 +1,93 @@
+"""actor.max_memory_gb: the update's token budget from a memory target (appo.trainer.memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer_rl import make_toy, toy_config
+
+from appo.errors import AppoError
+from appo.models import load_model
+from appo.trainer import memory
+from appo.trainer.loop import RLTrainer
+
+
+@pytest.fixture
+def toy(tmp_path):
+    return make_toy(tmp_path)
+
+
+def _ids(rows: int, tokens: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def test_probe_extrapolates_to_other_shapes():
+    """The probe (2 rows x 64 / 128 tokens) gives bytes per token; a forward of another shape
+    must save about per_token x tokens (+ the probe's fixed cost). If something saved grew
+    faster than the tokens (an attention matrix, T^2), the 4 x 300 forward would be far off."""
+    model = load_model("tiny-test").model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    per_token = memory.activation_bytes_per_token(model)
+    fixed = memory.saved_bytes(model, _ids(2, 64, vocab), torch.full((2,), 64)) - per_token * 128
+    for rows, tokens in ((1, 200), (4, 300), (3, 97)):
+        saved = memory.saved_bytes(model, _ids(rows, tokens, vocab), torch.full((rows,), tokens))
+        predicted = per_token * rows * tokens + fixed
+        assert abs(saved - predicted) <= 0.05 * saved, (rows, tokens, saved, predicted)
+
+
+def test_saved_bytes_exclude_parameters():
+    model = load_model("tiny-test").model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    one = memory.saved_bytes(model, _ids(1, 8, vocab), torch.full((1,), 8))
+    # 8 tokens of a 2-layer, 64-wide model save a few KB; the weights alone are ~0.4 MB.
+    assert 0 < one < params / 4
+
+
+def test_pending_optimizer_bytes_by_hand():
+    """Before the first step: one gradient and two AdamW moments per trainable float32
+    element (4 bytes each); after it, all three exist and nothing is pending."""
+    model = load_model("tiny-test").model
+    model.get_input_embeddings().requires_grad_(False)  # tied head: frozen too
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    assert memory.pending_optimizer_bytes(model, opt) == 3 * 4 * trainable
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out = model(input_ids=_ids(1, 8, vocab)).logits.sum()
+    out.backward()
+    opt.step()
+    assert memory.pending_optimizer_bytes(model, opt) == 0
+
+
+def test_budget_moves_with_the_target(monkeypatch):
+    """With the resident size pinned, one more GB of target buys (1 - MARGIN) GiB of
+    activations: Δtokens = 0.85 * 2^30 / per_token (to rounding)."""
+    model = load_model("tiny-test").model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monkeypatch.setattr(memory, "rss_bytes", lambda: 1 * memory.GIB)
+    t2, info = memory.token_budget(2.0, model, opt)
+    t3, _ = memory.token_budget(3.0, model, opt)
+    per_token = info["mb_per_token"] * 2**20
+    assert abs((t3 - t2) - (1 - memory.MARGIN) * memory.GIB / per_token) <= 1
+    # Below what the process already holds: no room at all.
+    with pytest.raises(AppoError, match="actor.max_memory_gb=0.9 leaves no room"):
+        memory.token_budget(0.9, model, opt)
+
+
+def test_trainer_derives_the_budget_and_trains(toy, capsys):
+    cfg = toy_config(toy, "actor.max_memory_gb=64", "trainer.total_steps=1")
+    trainer = RLTrainer(cfg, progress=False)
+    budget = trainer.cfg.actor.ppo_max_token_len_per_device
+    assert budget != 4096 and budget > 10_000  # 64 GB for a 2-layer model: a large budget
+    assert f"micro-batches of up to {budget} tokens" in capsys.readouterr().out
+    metrics = trainer.train_step()
+    assert metrics["time/update"] > 0
+    trainer.tools.close()
+
+
+def test_bad_target_is_one_line(toy):
+    with pytest.raises(AppoError, match="actor.max_memory_gb.*must be > 0"):
+        toy_config(toy, "actor.max_memory_gb=0")
+    cfg = toy_config(toy, "actor.max_memory_gb=0.01")
+    with pytest.raises(AppoError, match="leaves no room for the update"):
+        RLTrainer(cfg, progress=False)
