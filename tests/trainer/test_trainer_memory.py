@@ -91,3 +91,43 @@ def test_bad_target_is_one_line(toy):
     cfg = toy_config(toy, "actor.max_memory_gb=0.01")
     with pytest.raises(AppoError, match="leaves no room for the update"):
         RLTrainer(cfg, progress=False)
+
+
+def test_lean_mlp_same_values_and_gradients_fewer_saved_bytes():
+    """float64: the lean SwiGLU path gives the module path's loss and every gradient (to
+    rounding), and saves exactly two `[tokens, I]` tensors less per layer: silu(gate) and
+    the product, 2 x 128 (intermediate) x 8 bytes x 2 layers = 4096 bytes per token."""
+    import copy
+
+    plain = load_model("tiny-test").model.to(torch.float64).train()
+    lean = copy.deepcopy(plain)
+    assert memory.lean_mlp_activations(lean) == 2
+    vocab = plain.get_input_embeddings().weight.shape[0]
+    ids, lengths = _ids(3, 40, vocab), torch.tensor([40, 33, 17])
+    grads = []
+    for model in (plain, lean):
+        from appo.trainer.forward import final_hidden_states
+
+        hidden = final_hidden_states(model, ids, lengths)
+        loss = (hidden.sin() * torch.linspace(-1, 1, hidden.shape[-1],
+                                              dtype=torch.float64)).sum()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
+    for a, b in zip(grads[0][1], grads[1][1], strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    saved = [memory.saved_bytes(m, ids, torch.full((3,), 40)) for m in (plain, lean)]
+    assert saved[0] - saved[1] == 3 * 40 * 4096
+
+
+def test_lean_mlp_leaves_no_grad_and_wrapped_projections_alone():
+    model = load_model("tiny-test").model
+    memory.lean_mlp_activations(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():  # the module's own path: no custom Function in the graph anyway
+        ref = type(mlp).forward(mlp, x)
+        assert torch.equal(mlp(x), ref)
+    mlp.down_proj = torch.nn.Sequential(mlp.down_proj)  # e.g. a LoRA wrapper: not plain
+    out = mlp(x.requires_grad_())
+    assert out.grad_fn is not None and "SwiGLU" not in type(out.grad_fn).__name__

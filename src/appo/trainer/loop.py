@@ -36,7 +36,7 @@ from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
-from appo.trainer.memory import trim_freed_memory
+from appo.trainer.memory import lean_mlp_activations, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import discard_unused_run_dir
@@ -326,6 +326,9 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        if cfg.actor.lean_mlp_activations and not fsdp_requested(cfg.trainer.parallel,
+                                                                 self.dp.enabled):
+            lean_mlp_activations(self.model)
         if cfg.actor.freeze_embeddings:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)

@@ -132,3 +132,65 @@ def trim_freed_memory() -> None:
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+# ---------------------------------------------------------------------- lean SwiGLU MLP
+class _SwiGLUDown(torch.autograd.Function):
+    """`down(silu(gate) * up)` saving only `gate` and `up` `[..., I]`: autograd through the
+    module saves `silu(gate)` and the product as well (four `[..., I]` tensors per token and
+    layer, the largest activations of a Llama-family model). The backward recomputes the two
+    elementwise tensors, which costs far less than the matmuls around them."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        act = torch.nn.functional.silu(gate)
+        grad_prod = grad_out @ weight  # [..., O] @ [O, I]
+        grad_w = grad_b = grad_gate = grad_up = None
+        if ctx.needs_input_grad[2]:
+            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ (act * up).reshape(
+                -1, up.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        if ctx.needs_input_grad[0]:
+            grad_gate = torch.ops.aten.silu_backward(grad_prod * up, gate)
+        if ctx.needs_input_grad[1]:
+            grad_up = grad_prod * act
+        return grad_gate, grad_up, grad_w, grad_b
+
+
+def _plain_linear(m) -> bool:
+    return type(m) is torch.nn.Linear
+
+
+def _lean_mlp_forward(self, x):
+    # Plain linears, SiLU, float32/64 without autocast, gradients on: the lean path; anything
+    # else (LoRA-wrapped projections, bfloat16 autocast, no-grad forwards) the module's own.
+    if (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+            and all(_plain_linear(m) for m in (self.gate_proj, self.up_proj, self.down_proj))):
+        return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
+                                 self.down_proj.bias)
+    return type(self).forward(self, x)
+
+
+def lean_mlp_activations(model) -> int:
+    """Route every SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`, SiLU: the Llama family)
+    of `model` through `_SwiGLUDown` (instance attribute; the class is untouched). Returns
+    the number of MLPs changed."""
+    import types
+
+    n = 0
+    for module in model.modules():
+        act = getattr(module, "act_fn", None)
+        if (all(hasattr(module, k) for k in ("gate_proj", "up_proj", "down_proj"))
+                and (isinstance(act, torch.nn.SiLU)
+                     or type(act).__name__ == "SiLUActivation")):  # transformers' own
+            module.forward = types.MethodType(_lean_mlp_forward, module)
+            n += 1
+    return n
