@@ -26,6 +26,10 @@ def _sft(args: argparse.Namespace) -> int:
     print(f"appo sft: run directory {cfg.sft.output_dir}", flush=True)
     # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
     lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
+    if cfg.actor.lean_mlp_activations:  # the same memory saving as in RL (appo.trainer.memory)
+        from appo.trainer.memory import lean_mlp_activations
+
+        lean_mlp_activations(lm.model)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")
     if not train.examples:
         raise AppoError("sft.train_files produced no examples")
