@@ -61,7 +61,7 @@ def test_pending_optimizer_bytes_by_hand():
 
 def test_budget_moves_with_the_target(monkeypatch):
     """With the resident size pinned, one more GB of target buys (1 - MARGIN) GiB of
-    activations: Δtokens = 0.85 * 2^30 / per_token (to rounding)."""
+    activations: Δtokens = 0.7 * 2^30 / per_token (to rounding)."""
     model = load_model("tiny-test").model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monkeypatch.setattr(memory, "rss_bytes", lambda: 1 * memory.GIB)
