@@ -9,7 +9,7 @@ from transformers.models.llama import modeling_llama
 from appo.models import load_model
 from appo.trainer.batch import pad_right
 from appo.trainer.forward import computed_tokens, final_hidden_states
-from appo.trainer.tree_forward import tree_layout
+from appo.trainer.tree_forward import CALL_TOKENS, tree_layout
 
 
 @pytest.fixture
@@ -104,9 +104,13 @@ def test_layout_hand_counts():
     # a': identical to a -> nothing own. y: shares q (30) with x -> own 33 (call 1).
     # b: shares 65 with d (b[:65] == d[:65]) -> own 10 (call 1). a[:70]: prefix of a.
     assert layout.starts.tolist() == [0, 0, 50, 40, 75, 100, 30, 65, 70]
-    assert [lv.rows for lv in layout.levels] == [[0, 1], [2, 3, 6, 7], [4]]
-    assert [lv.width for lv in layout.levels] == [85, 50, 12]
-    assert layout.computed_tokens == 2 * 85 + 4 * 50 + 12
+    # Level 1's own lengths 50, 33, 10, 5: one call 4 * 50 = 200 tokens; split after the
+    # two longest 2 * 50 + 2 * 10 = 120 (+ CALL_TOKENS 64 = 184 < 200), so two calls.
+    # Level 0 (85, 39): one call 170 < 85 + 39 + 64.
+    assert CALL_TOKENS == 64
+    assert [lv.rows for lv in layout.levels] == [[0, 1], [2, 6], [7, 3], [4]]
+    assert [lv.width for lv in layout.levels] == [85, 50, 10, 12]
+    assert layout.computed_tokens == 2 * 85 + 2 * 50 + 2 * 10 + 12
     assert computed_tokens(*_t(rows), tree=True) == layout.computed_tokens
     # Every row position maps to a token whose prefix is the row's prefix: same token id
     # at the same depth (checked on the token ids gathered back).

@@ -9,7 +9,8 @@ Layout: rows are taken in order; a row's *parent* is the earlier row it shares t
 prefix with (at least `min_shared` tokens), and the row's *own* tokens are those past that
 prefix (none when it is a prefix of an earlier row). A row's own tokens are computed in
 model call `level = 1 + level of the deepest call its shared prefix lives in`; one call
-per level, its rows' own segments right-padded to the longest. Keys/values of every
+per level, its rows' own segments right-padded to the longest (two calls, long and short
+segments, when that saves more padding than a call costs). Keys/values of every
 computed token are kept per layer (`_TreeCache`); a segment attends to its ancestors' keys
 (gathered by their flat index, with gradients) and causally to its own, with explicit
 position ids = depth in its row. Hidden states are then gathered back to `[B, T, D]`.
@@ -28,6 +29,31 @@ from torch import Tensor
 
 from appo.models.compat import cache_argument
 
+# A model call's fixed cost (python, kernel launches over every layer) in tokens' worth of
+# compute: a level is split in two calls only when that saves more padding than this.
+CALL_TOKENS = 64
+
+
+def _split(widths: list[int]) -> int:
+    """How many of the `widths` (sorted descending) go in the first call: `len(widths)` for
+    one call, `k` for two (the `k` longest, then the rest)."""
+    n = len(widths)
+    best, split = n * widths[0], n
+    for k in range(1, n):
+        cost = k * widths[0] + (n - k) * widths[k] + CALL_TOKENS
+        if cost < best:
+            best, split = cost, k
+    return split
+
+
+def _level_cost(widths: list[int]) -> int:
+    """Tokens the calls of one level compute, own segments of `widths` (any order)."""
+    if not widths:
+        return 0
+    w = sorted(widths, reverse=True)
+    k = _split(w)
+    return k * w[0] + (len(w) - k) * w[k] if k < len(w) else len(w) * w[0]
+
 
 @dataclass
 class TreeLevel:
@@ -43,7 +69,7 @@ class TreeLayout:
     """Where each row's tokens are computed.
 
     starts:      `[B]` first own token of each row (tokens before it are an ancestor's)
-    levels:      the model calls, in order
+    levels:      the model calls, in order (a trie level is one or two calls)
     token_index: `[B, T]` flat index of each row position's token among all calls' padded
                  outputs (0 past a row's length)
     """
@@ -70,8 +96,7 @@ class TreeBuilder:
         self.start: list[int] = []
         self.level: list[int] = []  # call of the row's own tokens, -1 without any
         self.depth: list[int] = []  # deepest call any of the row's tokens lives in
-        self.counts: list[int] = []
-        self.widths: list[int] = []
+        self.widths: list[list[int]] = []  # own segment lengths per level
 
     def _place(self, row: Tensor, length: int) -> tuple[int, int, int]:
         """(parent, start, level) of a new row `row` `[T]` of `length`."""
@@ -97,13 +122,13 @@ class TreeBuilder:
     def cost_with(self, row: Tensor, length: int) -> int:
         """`computed_tokens` after adding this row."""
         _, start, level = self._place(row, length)
-        total = sum(c * w for c, w in zip(self.counts, self.widths, strict=True))
+        total = sum(_level_cost(w) for w in self.widths)
         if level < 0:
             return total
-        if level == len(self.counts):
+        if level == len(self.widths):
             return total + (length - start)
-        return (total - self.counts[level] * self.widths[level]
-                + (self.counts[level] + 1) * max(self.widths[level], length - start))
+        return (total - _level_cost(self.widths[level])
+                + _level_cost(self.widths[level] + [length - start]))
 
     def add(self, row: Tensor, length: int) -> None:
         parent, start, level = self._place(row, length)
@@ -114,31 +139,36 @@ class TreeBuilder:
         self.level.append(level)
         self.depth.append(level if level >= 0 else self.depth[parent])
         if level >= 0:
-            if level == len(self.counts):
-                self.counts.append(0)
-                self.widths.append(0)
-            self.counts[level] += 1
-            self.widths[level] = max(self.widths[level], length - start)
+            if level == len(self.widths):
+                self.widths.append([])
+            self.widths[level].append(length - start)
 
     def layout(self) -> TreeLayout:
-        levels = [TreeLevel(width=w) for w in self.widths]
-        slot: list[int] = []
-        for i, lv in enumerate(self.level):
-            slot.append(len(levels[lv].rows) if lv >= 0 else -1)
-            if lv >= 0:
-                levels[lv].rows.append(i)
+        own = [n - s for n, s in zip(self.lengths, self.start, strict=True)]
+        levels: list[TreeLevel] = []
+        call = [-1] * len(self.rows)  # index into `levels` of each row's own segment
+        for depth in range(len(self.widths)):
+            rows = sorted((i for i, lv in enumerate(self.level) if lv == depth),
+                          key=lambda i: (-own[i], i))
+            k = _split([own[i] for i in rows])
+            for part in (rows[:k], rows[k:]):
+                if part:
+                    for i in part:
+                        call[i] = len(levels)
+                    levels.append(TreeLevel(rows=part, width=own[part[0]]))
         offset = 0
         for lv in levels:
             lv.offset = offset
             offset += len(lv.rows) * lv.width
+        slot = [levels[c].rows.index(i) if c >= 0 else -1 for i, c in enumerate(call)]
         width = max(self.lengths, default=0)
         index = torch.zeros(len(self.rows), width, dtype=torch.long)
         for i, n in enumerate(self.lengths):
             s = self.start[i]
             if s:
                 index[i, :s] = index[self.parent[i], :s]
-            if self.level[i] >= 0:
-                lv = levels[self.level[i]]
+            if call[i] >= 0:
+                lv = levels[call[i]]
                 index[i, s:n] = lv.offset + slot[i] * lv.width + torch.arange(n - s)
         return TreeLayout(starts=torch.tensor(self.start, dtype=torch.long), levels=levels,
                           token_index=index)
