@@ -12,6 +12,7 @@ the order, `--repeats` times each after one warm-up of each. Reports per step:
 
     .venv/bin/python benchmarks/tree_forward.py            # SmolLM2-135M
     .venv/bin/python benchmarks/tree_forward.py --quick    # tiny-test model
+    .venv/bin/python benchmarks/tree_forward.py --batches /tmp/b.pt   # keep the rollouts
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def arpo_batches(model: str, steps: int, out: str, response_len: int):
-    """(trainer, [TrainBatch with advantages]) from `steps` arpo rollouts."""
+def arpo_batches(model: str, steps: int, out: str, response_len: int,
+                 saved: Path | None = None):
+    """(trainer, [TrainBatch with advantages]) from `steps` arpo rollouts; with `saved`, the
+    batches are read from that file when it exists and written to it otherwise."""
+    import torch
     from train_step import appo_config
 
     from appo.trainer.batch import TrainBatch, compute_advantages
@@ -37,6 +41,9 @@ def arpo_batches(model: str, steps: int, out: str, response_len: int):
 
     cfg = appo_config(model, True, response_len, "arpo", out)
     trainer = RLTrainer(cfg, progress=False)
+    if saved is not None and saved.exists():
+        trainer.tools.close()
+        return trainer, torch.load(saved, weights_only=False)
     batches = []
     for step in range(steps):
         rollout, by_uid = trainer.rollout(trainer.batch_for_step(step), f"s{step}", step)
@@ -45,6 +52,8 @@ def arpo_batches(model: str, steps: int, out: str, response_len: int):
                                       cfg.algorithm.adv_estimator, trainer.adv_params)
         batches.append(batch)
     trainer.tools.close()
+    if saved is not None:
+        torch.save(batches, saved)
     return trainer, batches
 
 
@@ -74,11 +83,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="arpo rollouts (batches)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--batches", type=Path,
+                   help="reuse the rollouts saved in this file (written if it is missing)")
     args = p.parse_args()
     torch.set_num_threads(2)
     model = "tiny-test" if args.quick else args.model
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, batches = arpo_batches(model, args.steps, tmp, args.response_len)
+        trainer, batches = arpo_batches(model, args.steps, tmp, args.response_len,
+                                        args.batches)
     results = []
     for k, batch in enumerate(batches):
         times: dict[bool, list[float]] = {False: [], True: []}
