@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="arpo rollouts (batches)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int,
+                   help="actor.ppo_max_token_len_per_device (default: the config's)")
     p.add_argument("--batches", type=Path,
                    help="reuse the rollouts saved in this file (written if it is missing)")
     args = p.parse_args()
@@ -91,6 +93,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainer, batches = arpo_batches(model, args.steps, tmp, args.response_len,
                                         args.batches)
+    if args.max_tokens:
+        trainer.cfg.actor.ppo_max_token_len_per_device = args.max_tokens
     results = []
     for k, batch in enumerate(batches):
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -98,6 +102,7 @@ def main() -> None:
         for r in range(args.repeats + 1):
             for tree in ((False, True) if r % 2 == 0 else (True, False)):
                 secs, metrics[tree], params[tree] = timed_update(trainer, batch, tree)
+                print(f"step {k} round {r} tree={tree}: {secs:.1f} s", flush=True)
                 if r > 0:  # the first round warms up allocators
                     times[tree].append(secs)
         rows_tokens = int(batch.lengths[batch.trainable_rows()].sum())
