@@ -204,6 +204,10 @@ class ActorConfig:
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
     share_prefix_forward: bool = True
+    # With share_prefix_forward: compute the micro-batch's whole token trie once (ARPO/AEPO
+    # branches share their parent's response up to the branch point; found from the token
+    # ids, any strategy), one model call per trie level. Exact (docs/architecture.md).
+    tree_forward: bool = False
     # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
     # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
     freeze_embeddings: bool = False

@@ -11,6 +11,9 @@ the sum over rows, which `expand` gives by construction) - at the cost of
 Works with any decoder whose attention layers call `cache.update(...)` and accept a
 4D additive mask with explicit position ids (all transformers decoders do). With gradient
 checkpointing on, or when the shared prefix is short, the plain padded forward is used.
+
+`tree=True` (`actor.tree_forward`) generalises the one prefix to the rows' whole token trie
+(branches sharing their parent's response up to the branch point): `appo.trainer.tree_forward`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from appo.models.compat import cache_argument
+from appo.trainer.tree_forward import TreeBuilder, tree_hidden_states, tree_layout
 
 MIN_SHARED_PREFIX = 16  # below this the second forward costs more than it saves
 
@@ -90,16 +94,23 @@ def _additive_causal_mask(rows: int, past: int, steps: int, dtype, device) -> Te
     return mask[None, None].expand(rows, 1, steps, past + steps)
 
 
-def final_hidden_states(model, ids: Tensor, lengths: Tensor, share_prefix: bool = True) -> Tensor:
+def final_hidden_states(model, ids: Tensor, lengths: Tensor, share_prefix: bool = True,
+                        tree: bool = False) -> Tensor:
     """Hidden states after the final norm, `[B, T]` right-padded rows `ids` of `lengths`
     `[B]` -> `[B, T', D]` with `T' = max(lengths)` (padding positions hold unspecified
-    values). The LM head is not applied: callers compute log-probs from these in chunks."""
+    values). The LM head is not applied: callers compute log-probs from these in chunks.
+    `tree` (with `share_prefix`): every shared prefix between rows computed once."""
     device = next(model.parameters()).device
     width = int(lengths.max())
-    ids = ids[:, :width].to(device)
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if tree and share_prefix and not checkpointing and len(ids) > 1:
+        layout = tree_layout(ids[:, :width], lengths, MIN_SHARED_PREFIX)
+        if len(layout.levels) > 1:
+            return tree_hidden_states(model, ids, lengths, layout)
+        share_prefix = False  # nothing shared: the plain forward is the same call
+    ids = ids[:, :width].to(device)
     shared = 0 if checkpointing else shared_prefix_length(ids, lengths, share_prefix)
     if shared == 0:
         attn = (torch.arange(width)[None, :] < lengths[:, None]).to(torch.long).to(device)
@@ -136,10 +147,16 @@ def _cost(n_rows: int, longest: int, shortest: int, lcp: int, share_prefix: bool
     return shared + n_rows * (longest - shared)
 
 
-def computed_tokens(ids: Tensor, lengths: Tensor, share_prefix: bool = True) -> int:
+def computed_tokens(ids: Tensor, lengths: Tensor, share_prefix: bool = True,
+                    tree: bool = False) -> int:
     """Tokens `final_hidden_states` runs through the model for these rows (padding included)."""
     if len(ids) == 0:
         return 0
+    if tree and share_prefix and len(ids) > 1:
+        layout = tree_layout(ids, lengths, MIN_SHARED_PREFIX)
+        if len(layout.levels) > 1:
+            return layout.computed_tokens
+        return len(ids) * int(lengths.max())
     shared = shared_prefix_length(ids, lengths, share_prefix)
     return shared + len(ids) * (int(lengths.max()) - shared)
 
@@ -152,14 +169,15 @@ def _pair_prefix(a: Tensor, b: Tensor, limit: int) -> int:
 
 def plan_shared_microbatches(ids: Tensor, lengths: Tensor, max_tokens: int,
                              groups: list[str] | None = None,
-                             share_prefix: bool = True) -> MicroBatchPlan:
+                             share_prefix: bool = True, tree: bool = False) -> MicroBatchPlan:
     """Micro-batches for `final_hidden_states` under a budget of computed tokens.
 
     `ids` `[B, T]` right-padded rows of `lengths` `[B]`. Rows are ordered by group (first
-    appearance; e.g. the prompt uid, so a group's rows share their whole prompt) and then by
-    length, and packed greedily while the forward's cost (shared prefix once + padded
-    suffixes) stays within `max_tokens`. A row over the budget gets a micro-batch of its
-    own. `real_tokens` counts the distinct tokens computed (prefix once), `padded_tokens`
+    appearance; e.g. the prompt uid, so a group's rows share their whole prompt and, with
+    branching, its tree) and then by length, and packed greedily while the forward's cost
+    (shared prefix once + padded suffixes; with `tree`, the trie's padded calls) stays
+    within `max_tokens`. A row over the budget gets a micro-batch of its own.
+    `real_tokens` counts the distinct tokens computed (shared tokens once), `padded_tokens`
     what the forwards compute, so the plan's padding fraction is padding only;
     `rows_tokens` is the unshared total (the plain forward's real work).
     """
@@ -169,6 +187,8 @@ def plan_shared_microbatches(ids: Tensor, lengths: Tensor, max_tokens: int,
     keys = groups if groups is not None else [""] * len(lens)
     first = {g: i for i, g in reversed(list(enumerate(keys)))}
     order = sorted(range(len(lens)), key=lambda i: (first[keys[i]], lens[i], i))
+    if tree and share_prefix:
+        return _plan_tree(ids, lens, order, max_tokens)
     batches: list[list[int]] = []
     current: list[int] = []
     longest = shortest = lcp = 0
@@ -193,5 +213,31 @@ def plan_shared_microbatches(ids: Tensor, lengths: Tensor, max_tokens: int,
         shared = shared_prefix_length(ids[index], sub_lens, share_prefix)
         real += int(sub_lens.sum()) - (len(b) - 1) * shared
         padded += shared + len(b) * (int(sub_lens.max()) - shared)
+    return MicroBatchPlan(batches=batches, real_tokens=real, padded_tokens=padded,
+                          rows_tokens=sum(lens))
+
+
+def _plan_tree(ids: Tensor, lens: list[int], order: list[int], max_tokens: int,
+               ) -> MicroBatchPlan:
+    """`plan_shared_microbatches` for the tree forward: rows in `order`, each added to the
+    current micro-batch while its trie layout's cost stays within `max_tokens`."""
+    batches: list[list[int]] = []
+    builders: list[TreeBuilder] = []
+    for i in order:
+        if batches and builders[-1].cost_with(ids[i], lens[i]) <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+            builders.append(TreeBuilder(MIN_SHARED_PREFIX))
+        builders[-1].add(ids[i], lens[i])
+    padded = real = 0
+    for b, builder in zip(batches, builders, strict=True):
+        layout = builder.layout()
+        if len(b) > 1 and len(layout.levels) > 1:
+            padded += layout.computed_tokens
+            real += builder.own_tokens
+        else:  # the plain forward runs (see final_hidden_states)
+            padded += len(b) * max(lens[i] for i in b)
+            real += sum(lens[i] for i in b)
     return MicroBatchPlan(batches=batches, real_tokens=real, padded_tokens=padded,
                           rows_tokens=sum(lens))

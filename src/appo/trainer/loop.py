@@ -204,7 +204,7 @@ class RLTrainer:
         return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
                                 a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp,
                                 temperature=self.train_temperature,
-                                compute_dtype=self.compute_dtype)
+                                compute_dtype=self.compute_dtype, tree=a.tree_forward)
 
     def validate(self) -> dict[str, float]:
         """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""

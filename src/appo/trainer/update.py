@@ -6,7 +6,8 @@ place the loss's scalar parameters are taken from it. The mathematics is `appo.a
 - mini-batches are whole prompt groups (`actor.ppo_mini_batch_size` prompts, verl's unit),
   so every rank agrees on their number;
 - micro-batches pack rows under a token budget (`actor.ppo_max_token_len_per_device`),
-  a group's prompt computed once (`appo.trainer.forward`);
+  a group's prompt computed once (`appo.trainer.forward`), or with `actor.tree_forward`
+  the whole token trie of its rows (branches' shared responses; `appo.trainer.tree_forward`);
 - loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
   so the value and gradient do not depend on micro-batch or rank splits;
 - rows without a trained token (APPO branch rows) never enter the loss;
@@ -83,7 +84,7 @@ def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
                       entropy_grad: bool = False, share_prefix: bool = True,
                       temperature: float = 1.0, compute_dtype: torch.dtype | None = None,
-                      ) -> tuple[Tensor, Tensor | None, Tensor]:
+                      tree: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `batch`.
 
     Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
@@ -95,7 +96,7 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     """
     device = next(model.parameters()).device
     with autocast(device, compute_dtype):
-        hidden = final_hidden_states(model, batch.input_ids, batch.lengths, share_prefix)
+        hidden = final_hidden_states(model, batch.input_ids, batch.lengths, share_prefix, tree)
     ids = batch.input_ids[:, : hidden.shape[1]].to(device)
     resp = batch.response_lens
     width = int(resp.max()) if len(batch) else 0
@@ -124,16 +125,16 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
 @torch.no_grad()
 def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
                      share_prefix: bool = True, temperature: float = 1.0,
-                     compute_dtype: torch.dtype | None = None) -> Tensor:
+                     compute_dtype: torch.dtype | None = None, tree: bool = False) -> Tensor:
     """No-grad response log-probs `[B, R]` of every row (old / reference policy),
     token-budgeted; zero past each row's response."""
     out = torch.zeros_like(batch.loss_mask)
     plan = plan_shared_microbatches(batch.input_ids, batch.lengths, max_tokens, batch.uids,
-                                    share_prefix)
+                                    share_prefix, tree)
     for idx in plan.batches:
         logp, _, _ = response_logprobs(model, batch.select(idx), chunk_size, False,
                                        share_prefix=share_prefix, temperature=temperature,
-                                       compute_dtype=compute_dtype)
+                                       compute_dtype=compute_dtype, tree=tree)
         out[torch.tensor(idx), : logp.shape[1]] = logp.float().cpu()
     return out
 
@@ -149,12 +150,13 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     first optimizer step only).
     `fsdp`: the model is sharded (`appo.trainer.fsdp`): every rank runs as many forward
     passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
-    shared-prefix forward is off (its number of model calls depends on the rows).
+    shared-prefix and tree forwards are off (their number of model calls depends on the rows).
     `temperature`: the rollout's sampling temperature, applied to the training logits.
     `compute_dtype`: the forwards' autocast dtype over float32 master weights, or None.
     """
     dp = dp or DataParallel()
     share_prefix = actor.share_prefix_forward and not fsdp
+    tree = share_prefix and actor.tree_forward
     loss_params = policy_loss_params(actor)
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = batch.trainable_rows()
@@ -174,13 +176,13 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             pg_agg = agg
             if filters_rows and (epoch > 0 or m > 0):
                 keep = _kept_rows(model, mini, actor, loss_params, share_prefix, temperature,
-                                  compute_dtype)
+                                  compute_dtype, tree)
                 sums["actor/future_kl_filtered_rows"] += float((~keep).sum())
                 pg_agg = _loss_agg(actor, mini.loss_mask * keep[:, None], max_response_length,
                                    dp)
             plan = plan_shared_microbatches(mini.input_ids, mini.lengths,
                                             actor.ppo_max_token_len_per_device, mini.uids,
-                                            share_prefix)
+                                            share_prefix, tree)
             padded_total += plan.padded_tokens
             real_total += plan.real_tokens
             rows_total += plan.rows_tokens
@@ -192,7 +194,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
                                         share_prefix, temperature, compute_dtype,
-                                        pg_agg=pg_agg,
+                                        pg_agg=pg_agg, tree=tree,
                                         keep=keep[mb_idx],
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
@@ -220,7 +222,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     steps = max(actor.ppo_epochs * n_mini, 1)
     out = {k: v / steps for k, v in sums.items()}
     out["actor/padding_frac"] = 1.0 - real_total / padded_total if padded_total else 0.0
-    # Share of the rows' tokens the shared-prefix forward did not have to compute.
+    # Share of the rows' tokens the shared-prefix (or tree) forward did not have to compute.
     out["actor/prefix_saving"] = 1.0 - padded_total / rows_total if rows_total else 0.0
     out["actor/computed_tokens"] = float(padded_total) / max(actor.ppo_epochs, 1)
     out["actor/optimizer_steps"] = float(steps)
@@ -237,17 +239,18 @@ def _loss_agg(actor: Any, loss_mask: Tensor, max_response_length: int,
 
 def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParams,
                share_prefix: bool, temperature: float,
-               compute_dtype: torch.dtype | None) -> Tensor:
+               compute_dtype: torch.dtype | None, tree: bool = False) -> Tensor:
     """Rows `[B]` of `mini` that `future_kl`'s sequence filter keeps under the current policy."""
     logp = batched_logprobs(model, mini, actor.ppo_max_token_len_per_device,
-                            actor.logprob_chunk_size, share_prefix, temperature, compute_dtype)
+                            actor.logprob_chunk_size, share_prefix, temperature, compute_dtype,
+                            tree)
     old = mini.old_logp if mini.old_logp is not None else logp
     return future_kl_kept_rows(logp, old, mini.advantages, mini.loss_mask, loss_params).cpu()
 
 
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
                 share_prefix: bool, temperature: float, compute_dtype: torch.dtype | None,
-                pg_agg: LossAgg | None = None,
+                pg_agg: LossAgg | None = None, tree: bool = False,
                 keep: Tensor | None = None,
                 loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
@@ -256,7 +259,7 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
     logp, entropy, valid = response_logprobs(
         model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
         entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
-        temperature=temperature, compute_dtype=compute_dtype,
+        temperature=temperature, compute_dtype=compute_dtype, tree=tree,
     )
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
