@@ -36,7 +36,7 @@ from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
-from appo.trainer.memory import lean_mlp_activations, trim_freed_memory
+from appo.trainer.memory import apply_memory_target, lean_mlp_activations, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import discard_unused_run_dir
@@ -399,28 +399,14 @@ class RLTrainer:
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
                                         announce=self.dp.is_main, config=to_container(cfg),
                                         parts=self._parts())
-        if cfg.actor.max_memory_gb is not None:
-            self._derive_token_budget(cfg.actor.max_memory_gb)
+        if cfg.actor.max_memory_gb is not None:  # the update's token budget from a target
+            apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp)
         # Rows logged after the checkpoint resumed from are redone: drop them.
         self.logger = MetricsLogger(
             self.out_dir, list(cfg.trainer.logger), run_name=cfg.trainer.experiment_name,
             resume_step=self.step if cfg.trainer.resume and self.step > 0 else None,
             enabled=self.dp.is_main,
         )
-
-    def _derive_token_budget(self, target_gb: float) -> None:
-        """actor.max_memory_gb: the update's micro-batch token budget from the target
-        (appo.trainer.memory); the smallest over ranks, so every rank plans alike."""
-        from appo.trainer.memory import token_budget
-
-        tokens, info = token_budget(target_gb, self.model, self.optimizer)
-        tokens = -self.dp.max_int(-tokens)
-        self.cfg.actor.ppo_max_token_len_per_device = tokens
-        if self.dp.is_main:
-            print(f"appo: actor.max_memory_gb={target_gb:g}: micro-batches of up to {tokens} "
-                  f"tokens (resident {info['resident_gb']:.2f} GB, gradients + AdamW "
-                  f"{info['optimizer_gb']:.2f} GB to come, {info['mb_per_token']:.2f} MB of "
-                  f"activations per token)", flush=True)
 
     def _run_dir(self) -> Path:
         """Rank 0 applies the run directory policy; every rank takes its answer (the

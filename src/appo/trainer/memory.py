@@ -117,6 +117,20 @@ def token_budget(max_memory_gb: float, model, optimizer) -> tuple[int, dict[str,
     return tokens, info
 
 
+def apply_memory_target(actor, model, optimizer, dp) -> int:
+    """`actor.max_memory_gb` -> `actor.ppo_max_token_len_per_device` (set in place and
+    printed); the smallest budget over ranks, so every rank plans alike."""
+    tokens, info = token_budget(actor.max_memory_gb, model, optimizer)
+    tokens = -dp.max_int(-tokens)
+    actor.ppo_max_token_len_per_device = tokens
+    if dp.is_main:
+        print(f"appo: actor.max_memory_gb={actor.max_memory_gb:g}: micro-batches of up to "
+              f"{tokens} tokens (resident {info['resident_gb']:.2f} GB, gradients + AdamW "
+              f"{info['optimizer_gb']:.2f} GB to come, {info['mb_per_token']:.2f} MB of "
+              f"activations per token)", flush=True)
+    return tokens
+
+
 @cache
 def _libc():
     try:
