@@ -1,0 +1,178 @@
+"""LoRA (`model.lora_rank` > 0, appo.models.lora) on tiny-test: only the adapter trains, the
+reward rises, resume equals an uninterrupted run, the merged checkpoint is the adapted
+model, rollouts sample from it, and the KL reference is the base model (adapter off)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_trainer_rl import make_toy, toy_config
+
+from appo.algos.kl import KL_ESTIMATORS
+from appo.errors import AppoError
+from appo.models import load_model
+from appo.trainer.batch import TrainBatch, pad_right
+from appo.trainer.loop import RLTrainer
+
+LORA = ("model.lora_rank=8", "model.lora_alpha=16")
+
+
+@pytest.fixture
+def toy(tmp_path) -> dict[str, Path]:
+    return make_toy(tmp_path)
+
+
+def _base_params() -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in load_model("tiny-test").model.named_parameters()}
+
+
+def test_only_adapter_parameters_change(toy):
+    cfg = toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=2", *LORA)
+    trainer = RLTrainer(cfg, progress=False)
+    adapter = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+               if p.requires_grad}
+    assert adapter and all("lora_" in n for n in adapter)
+    optimized = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert len(optimized) == len(adapter)  # optimizer states for the adapter only
+    trainer.fit()
+    base = _base_params()
+    for name, p in trainer.model.named_parameters():
+        if name in adapter:
+            continue
+        # PEFT keeps an adapted layer's weight under `<layer>.base_layer.weight`
+        assert torch.equal(p, base[name.replace(".base_layer", "")]), name
+    moved = [n for n, p in trainer.model.named_parameters()
+             if n in adapter and not torch.equal(p, adapter[n])]
+    assert any("lora_B" in n for n in moved)  # B starts at 0: it must move for any change
+    ckpt = Path(cfg.trainer.default_local_dir) / "global_step_2"
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    assert json.loads((ckpt / "adapter_config.json").read_text())["r"] == 8
+    assert not (ckpt / "model.safetensors").exists()
+    assert "time/lora_merge" in trainer.logger.path.read_text()
+
+
+def test_reward_rises_with_lora(toy):
+    cfg = toy_config(toy, "rollout.strategy=grpo", "rollout.n=8", "trainer.total_steps=10",
+                     "actor.optim.lr=2e-2", "data.max_response_length=12", *LORA)
+    history = RLTrainer(cfg, progress=False).fit()
+    rewards = [h["reward/mean"] for h in history]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.1, rewards
+
+
+def test_lora_resume_equals_uninterrupted(toy, tmp_path):
+    common = ("rollout.strategy=arpo", "trainer.save_freq=2", *LORA)
+    full = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3",
+                                f"trainer.default_local_dir={tmp_path / 'a'}"),
+                     progress=False).fit()
+    RLTrainer(toy_config(toy, *common, "trainer.total_steps=2",
+                         f"trainer.default_local_dir={tmp_path / 'b'}"), progress=False).fit()
+    resumed = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3", "trainer.resume=true",
+                                   f"trainer.default_local_dir={tmp_path / 'b'}"),
+                        progress=False)
+    assert resumed.step == 2
+    rest = resumed.fit()
+    keys = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/tokens_decoded"]
+    assert [h["step"] for h in rest] == [3]
+    for k in keys:
+        assert full[2][k] == rest[0][k], (k, full[2][k], rest[0][k])  # bit for bit on CPU
+    a = load_file(str(tmp_path / "a" / "global_step_3" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "global_step_3" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_checkpoint_of_the_other_kind(toy, tmp_path):
+    run = f"trainer.default_local_dir={tmp_path / 'r'}"
+    RLTrainer(toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=1", run,
+                         *LORA), progress=False).fit()
+    with pytest.raises(AppoError, match="LoRA adapter"):
+        RLTrainer(toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=2", run,
+                             "trainer.resume=true"), progress=False)
+
+
+def _rollout_logp_errors(model, dump: Path) -> list[float]:
+    errors = []
+    for line in dump.read_text().splitlines():
+        t = json.loads(line)
+        ids = t["prompt_ids"] + t["response_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        p = len(t["prompt_ids"])
+        errors += [abs(float(ref[p + k - 1, ids[p + k]]) - t["logp_rollout"][k])
+                   for k, m in enumerate(t["loss_mask"]) if m]
+    return errors
+
+
+def test_merged_checkpoint_is_the_adapted_model_and_rollouts_sample_from_it(toy, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=2",
+                     "trainer.save_freq=1", "model.lora_save_merged=true",
+                     f"trainer.rollout_data_dir={tmp_path / 'dump'}", *LORA)
+    trainer = RLTrainer(cfg, progress=False)
+    trainer.fit()
+    run = Path(cfg.trainer.default_local_dir)
+    # Plain transformers, no appo, no PEFT: base parameter names only.
+    merged = AutoModelForCausalLM.from_pretrained(run / "global_step_2" / "merged")
+    names = load_file(str(run / "global_step_2" / "merged" / "model.safetensors")).keys()
+    assert not [n for n in names if "lora_" in n or n.startswith("base_model.")]
+    ids = torch.tensor([list(range(5, 60))])
+    with torch.no_grad():
+        want = trainer.model(ids).logits
+        got = merged(ids).logits
+        with trainer.lora.disabled():
+            base = trainer.model(ids).logits
+    # float32: W + BA merged vs x W^T + (x A^T) B^T differ by rounding only
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    assert (base - want).abs().max() > 1e-3  # the adapter did change the model
+    # Step 2's rollouts came from the policy after step 1 (the hf engine's merged weights,
+    # re-merged after the update): their log-probs are the step-1 merged model's.
+    step1 = AutoModelForCausalLM.from_pretrained(run / "global_step_1" / "merged")
+    dump = tmp_path / "dump" / "step_00002.jsonl"
+    errors = _rollout_logp_errors(step1, dump)
+    assert len(errors) > 20 and max(errors) < 1e-4, max(errors)
+    assert max(_rollout_logp_errors(load_model("tiny-test").model, dump)) > 1e-3
+
+
+def _fixed_batch(tok) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    rows, prompt_lens, masks = [], [], []
+    for i in range(4):
+        prompt = tok.encode(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n")
+        resp = torch.randint(0, 250, (4 + 3 * i,), generator=g).tolist()
+        rows.append(prompt + resp)
+        prompt_lens.append(len(prompt))
+        masks.append([1] * len(resp))
+    n = len(rows)
+    return TrainBatch(
+        uids=[f"u{i // 2}" for i in range(n)], traj_ids=[f"t{i}" for i in range(n)],
+        parent_ids=[None] * n, splits=[None] * n, input_ids=pad_right(rows, tok.pad_token_id,
+                                                                       torch.long),
+        lengths=torch.tensor([len(r) for r in rows]), prompt_lens=torch.tensor(prompt_lens),
+        loss_mask=pad_right(masks, 0, torch.float32), rewards=torch.zeros(n),
+        advantages=pad_right(masks, 0, torch.float32))
+
+
+def test_kl_against_disabled_adapter_equals_kl_against_a_frozen_copy(toy):
+    cfg = toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=2",
+                     "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", *LORA)
+    trainer = RLTrainer(cfg, progress=False)
+    assert trainer.ref_model is None  # no second copy of the weights
+    history = trainer.fit()
+    assert all(h["actor/kl"] >= 0 for h in history) and history[-1]["actor/kl"] > 0
+    batch = _fixed_batch(trainer.tokenizer)
+    ref = trainer.reference_logprobs(batch)
+    frozen = load_model("tiny-test").model.eval().requires_grad_(False)  # the base weights
+    ref_copy = trainer._logprobs(frozen, batch)
+    assert torch.equal(ref, ref_copy)
+    logp = trainer._logprobs(trainer.model, batch)
+    mask = batch.loss_mask.bool()
+    kl = KL_ESTIMATORS["low_var_kl"](logp, ref)[mask]  # per-token estimates [N]
+    kl_copy = KL_ESTIMATORS["low_var_kl"](logp, ref_copy)[mask]
+    assert torch.equal(kl, kl_copy) and float(kl.mean()) > 0
+    # and the adapter is back on after the reference pass
+    assert not torch.equal(trainer._logprobs(trainer.model, batch), ref)
