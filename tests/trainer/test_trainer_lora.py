@@ -56,12 +56,19 @@ def test_only_adapter_parameters_change(toy):
 
 
 def test_reward_rises_with_lora(toy):
+    # tiny-test's tied embeddings are initialised with std 0.02, so with the LM head and the
+    # final norm frozen a logit can move by at most |RMSNorm(h)| |e| ~ 8 * 0.16: no adapter
+    # can reach a peaked distribution (measured: the reward stays at ~0.23 for 10 steps at
+    # lr 2e-2 to 1e-1). Embeddings 8x larger give the head a usable logit range.
+    lm = load_model("tiny-test")
+    with torch.no_grad():
+        lm.model.get_input_embeddings().weight.mul_(8.0)
     cfg = toy_config(toy, "rollout.strategy=grpo", "rollout.n=8", "trainer.total_steps=10",
                      "actor.optim.lr=2e-2", "data.max_response_length=12", *LORA)
-    history = RLTrainer(cfg, progress=False).fit()
+    history = RLTrainer(cfg, lm=lm, progress=False).fit()
     rewards = [h["reward/mean"] for h in history]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.1, rewards
+    assert last > first + 0.3, rewards  # measured: about 0.3 -> 0.98
 
 
 def test_lora_resume_equals_uninterrupted(toy, tmp_path):
