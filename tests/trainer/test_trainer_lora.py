@@ -183,3 +183,34 @@ def test_kl_against_disabled_adapter_equals_kl_against_a_frozen_copy(toy):
     assert torch.equal(kl, kl_copy) and float(kl.mean()) > 0
     # and the adapter is back on after the reference pass
     assert not torch.equal(trainer._logprobs(trainer.model, batch), ref)
+
+
+def test_sft_trains_the_adapter_only_and_saves_adapter_and_merged(tmp_path):
+    from types import SimpleNamespace
+
+    from test_trainer_sft import _examples
+    from transformers import AutoModelForCausalLM
+
+    from appo.config import SFTConfig
+    from appo.models.lora import apply_lora
+    from appo.trainer.sft import evaluate_loss, train_sft
+
+    lm = load_model("tiny-test")
+    base = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    lora = apply_lora(lm.model, SimpleNamespace(lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
+                                                target_modules=["q_proj", "v_proj", "down_proj"]))
+    assert len(lora.layers) == 3 * 2  # three module kinds x two layers
+    train = _examples(lm.tokenizer)
+    pad = lm.tokenizer.pad_token_id
+    before = evaluate_loss(lm.model, train, pad)
+    params = SFTConfig(epochs=10, batch_size=4, lr=1e-2, warmup_ratio=0.0,
+                       output_dir=str(tmp_path))
+    res = train_sft(lm.model, lm.tokenizer, train, params, seed=0, val=train, progress=False,
+                    lora=lora, save_merged=True)
+    assert res.eval_loss < 0.9 * before
+    for name, p in lm.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name.replace(".base_layer", "")]), name
+    assert (res.checkpoint / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(res.checkpoint / "merged")
+    assert abs(evaluate_loss(merged, train, pad) - res.eval_loss) < 1e-5
