@@ -214,3 +214,24 @@ def test_sft_trains_the_adapter_only_and_saves_adapter_and_merged(tmp_path):
     assert (res.checkpoint / "adapter_model.safetensors").is_file()
     merged = AutoModelForCausalLM.from_pretrained(res.checkpoint / "merged")
     assert abs(evaluate_loss(merged, train, pad) - res.eval_loss) < 1e-5
+
+
+def test_tiny_demo_with_lora(tmp_path, monkeypatch):
+    from appo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    rc = main([
+        "demo", "model.path=tiny-test", "model.lora_rank=4", "model.lora_save_merged=true",
+        "sft.max_steps=2", "sft.max_length=4096", "trainer.total_steps=1",
+        "data.max_prompt_length=2048", "data.max_response_length=16",
+        "eval.max_response_length=16", "data.val_files=[synth:arith?split=eval&levels=1&n=2]",
+        "rollout.n=4", "rollout.initial_rollouts=2", "data.train_batch_size=2",
+    ])
+    assert rc == 0
+    report = tmp_path / "runs" / "demo"
+    summary = json.loads((report / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["base", "sft", "rl"]
+    for stage, step in (("sft", 2), ("rl", 1)):
+        ckpt = report / stage / f"global_step_{step}"
+        assert (ckpt / "adapter_config.json").is_file(), stage
+        assert (ckpt / "merged" / "config.json").is_file(), stage
