@@ -136,6 +136,11 @@ def test_merged_checkpoint_is_the_adapted_model_and_rollouts_sample_from_it(toy,
     # float32: W + BA merged vs x W^T + (x A^T) B^T differ by rounding only
     assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
     assert (base - want).abs().max() > 1e-3  # the adapter did change the model
+    # The adapter checkpoint itself as a model spec: its base (tiny-test, named in
+    # adapter_config.json) with the adapter merged by PEFT.
+    with torch.no_grad():
+        from_adapter = load_model(str(run / "global_step_2")).model(ids).logits
+    assert torch.allclose(from_adapter, want, atol=1e-5)
     # Step 2's rollouts came from the policy after step 1 (the hf engine's merged weights,
     # re-merged after the update): their log-probs are the step-1 merged model's.
     step1 = AutoModelForCausalLM.from_pretrained(run / "global_step_1" / "merged")

@@ -163,4 +163,39 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
     except ValueError as e:  # e.g. target modules not found in the model
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise AppoError(f"model.target_modules: {first}") from None
+    # adapter_config.json names the base as appo loads it (an alias, a hub id or an absolute
+    # directory), so `model.path=<checkpoint>` can rebuild the merged model.
+    spec = str(getattr(model_cfg, "path", "") or "")
+    if spec and Path(spec).expanduser().exists():
+        spec = str(Path(spec).expanduser().resolve())
+    peft_model.peft_config[ADAPTER].base_model_name_or_path = spec or None
     return LoraPolicy(peft_model)
+
+
+def load_merged(path: Path, load_base: Any) -> tuple[Any, Any]:
+    """An appo LoRA checkpoint directory (`adapter_config.json`, no `config.json`) as a
+    plain model: its base (`load_base(spec)`, a `LoadedModel`) with the adapter merged in.
+    Returns (model, tokenizer)."""
+    import json
+
+    from peft import PeftModel
+
+    try:
+        spec = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError) as e:
+        raise AppoError(f"unreadable adapter_config.json in {path}: {e}") from None
+    if not spec:
+        raise AppoError(f"{path}/adapter_config.json names no base model "
+                        "(base_model_name_or_path)")
+    base = load_base(str(spec))
+    try:
+        model = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    except Exception as e:  # noqa: BLE001 - PEFT raises many types for a mismatched adapter
+        raise AppoError(f"cannot apply the adapter in {path} to {spec}: "
+                        f"{type(e).__name__}: {e}") from None
+    tokenizer = base.tokenizer
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model, tokenizer
