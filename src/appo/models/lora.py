@@ -139,7 +139,10 @@ class LoraPolicy:
 
     def save(self, path: str | Path) -> None:
         """`adapter_model.safetensors` + `adapter_config.json` (PEFT's format)."""
-        self.peft.save_pretrained(str(path), safe_serialization=True)
+        # save_embedding_layers="auto" would look the base up on the Hub (network); the base
+        # embeddings never change here (frozen, never resized), so there is nothing to add.
+        self.peft.save_pretrained(str(path), safe_serialization=True,
+                                  save_embedding_layers=False)
 
 
 def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
