@@ -240,3 +240,26 @@ def test_tiny_demo_with_lora(tmp_path, monkeypatch):
         ckpt = report / stage / f"global_step_{step}"
         assert (ckpt / "adapter_config.json").is_file(), stage
         assert (ckpt / "merged" / "config.json").is_file(), stage
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.lora_rank=-1"], "model.lora_rank must be >= 0"),
+    (["model.lora_rank=4", "model.target_modules=[nope]"], "model.target_modules: Target"),
+    (["model.lora_rank=4", "model.target_modules=[]"], "model.target_modules must be"),
+    (["model.lora_rank=4", "model.lora_dropout=1.5"], "model.lora_dropout must be"),
+])
+def test_bad_lora_keys_are_one_clear_error(overrides, message):
+    from appo.config import load_config
+    from appo.models.lora import apply_lora
+
+    with pytest.raises(AppoError, match=message):
+        apply_lora(load_model("tiny-test").model, load_config(overrides=overrides).model)
+
+
+def test_target_modules_from_a_dotted_list_override():
+    from appo.config import load_config
+    from appo.models.lora import apply_lora
+
+    cfg = load_config(overrides=["model.lora_rank=2", "model.target_modules=[q_proj,v_proj]"])
+    lora = apply_lora(load_model("tiny-test").model, cfg.model)
+    assert sorted({name.rsplit(".", 1)[1] for name in lora.layers}) == ["q_proj", "v_proj"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ def lora_enabled(model_cfg: Any) -> bool:
 def _target_modules(value: Any) -> str | list[str]:
     if isinstance(value, str) and value.strip():
         return value.strip()
-    if isinstance(value, list | tuple) and value and all(
+    if isinstance(value, Sequence) and len(value) and all(  # a list or OmegaConf ListConfig
             isinstance(v, str) and v for v in value):
         return [str(v) for v in value]
     raise AppoError(f"model.target_modules must be 'all-linear' or a list of module names "
