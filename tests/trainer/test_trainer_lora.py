@@ -263,3 +263,25 @@ def test_target_modules_from_a_dotted_list_override():
     cfg = load_config(overrides=["model.lora_rank=2", "model.target_modules=[q_proj,v_proj]"])
     lora = apply_lora(load_model("tiny-test").model, cfg.model)
     assert sorted({name.rsplit(".", 1)[1] for name in lora.layers}) == ["q_proj", "v_proj"]
+
+
+def test_engines_with_their_own_weights_get_the_merged_model_with_base_names(toy):
+    # What the vllm engine and openai servers receive (`sync_weights(model)`, which hands
+    # over `model.state_dict()`), checked on the hf engine given a recording sync_weights.
+    cfg = toy_config(toy, "rollout.strategy=grpo", "trainer.total_steps=2", *LORA)
+    trainer = RLTrainer(cfg, progress=False)
+    synced: list[dict[str, torch.Tensor]] = []
+    trainer.engine.sync_weights = lambda model: synced.append(
+        {k: v.detach().clone() for k, v in model.state_dict().items()})
+    trainer.fit()
+    trainer.sync_rollout_weights()  # after the last update, as the next rollout would
+    assert len(synced) == 3  # before step 1's rollout, after each of the two updates
+    plain = load_model("tiny-test").model
+    assert list(synced[-1]) == list(plain.state_dict())  # base names, nothing else
+    plain.load_state_dict(synced[-1])
+    ids = torch.tensor([list(range(5, 40))])
+    with torch.no_grad():
+        want = trainer.model(ids).logits
+        assert torch.allclose(plain(ids).logits, want, atol=1e-5)
+    assert not torch.equal(synced[0]["model.layers.0.mlp.down_proj.weight"],
+                           synced[-1]["model.layers.0.mlp.down_proj.weight"])
