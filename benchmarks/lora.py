@@ -1,6 +1,7 @@
 """One RL step on SmolLM2-135M (float32, CPU): LoRA vs full fine-tuning, in one script run.
 
-Two children (each process's peak RSS is its own), the same work: grpo, 2 prompts x 8
+Two children run side by side (each process's peak RSS is its own; they share the machine's
+load), the same work: grpo, 2 prompts x 8
 trajectories of up to 64 tokens of `synth:arith` (the `math` template, the python tool), one PPO
 epoch, a KL term (`actor.use_kl_loss=true`, low_var_kl, coef 1e-3) so the reference policy's
 cost shows: full fine-tuning keeps a frozen copy of the model, LoRA switches its adapter
@@ -80,14 +81,18 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
+    # Both children at the same time: on a machine shared with other jobs they then see the
+    # same background load, which a run one after the other would not guarantee.
+    procs = {mode: subprocess.Popen(
+        [sys.executable, __file__, "--worker", mode, "--model", args.model, "--steps",
+         str(args.steps), "--response-len", str(args.response_len)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for mode in MODES}
     results = {}
-    for mode in MODES:
-        cmd = [sys.executable, __file__, "--worker", mode, "--model", args.model,
-               "--steps", str(args.steps), "--response-len", str(args.response_len)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    for mode, proc in procs.items():
+        stdout, stderr = proc.communicate()
+        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{mode} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{mode} failed ({proc.returncode}):\n{stderr[-3000:]}")
         results[mode] = json.loads(lines[-1][len("RESULT "):])
         print(mode, results[mode], flush=True)
     f, lo = results["full"], results["lora"]
