@@ -32,6 +32,17 @@ class ModelConfig:
     device: str = "auto"
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # LoRA through PEFT (appo.models.lora), verl's keys: lora_rank 0 trains every weight
+    # (full fine-tuning); > 0 trains a rank-r adapter on target_modules ("all-linear": every
+    # linear layer but the LM head, or a list such as [q_proj,v_proj]), scaled by
+    # lora_alpha / lora_rank. The KL reference is the base model (adapter off); rollouts
+    # sample from merged weights. Checkpoints hold the adapter in PEFT's format, plus a
+    # merged Hugging Face model in `merged/` when lora_save_merged is true.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Any = "all-linear"
+    lora_dropout: float = 0.0
+    lora_save_merged: bool = False
 
 
 @dataclass

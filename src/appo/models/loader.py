@@ -3,7 +3,7 @@
 A spec is, in order of precedence:
 - an alias: `smollm2-135m` (SmolLM2-135M-Instruct, the embedded default) or `tiny-test`;
 - a local Hugging Face model directory (anything `from_pretrained` reads, incl. appo
-  checkpoints);
+  checkpoints; a LoRA checkpoint loads as its base with the adapter merged in);
 - a `.gguf` file (dequantised by transformers);
 - a hub id, only if it already sits in the local Hugging Face cache (never downloaded).
 
@@ -213,6 +213,14 @@ def load_model(
             raise AppoError(f"model file not found: {path}")
         model, tok = _load_gguf(path, dtype)
         source = str(path)
+    elif path.is_dir() and not (path / "config.json").is_file() and (
+            path / "adapter_config.json").is_file():
+        # An appo LoRA checkpoint: its base with the adapter merged in (appo.models.lora)
+        from appo.models.lora import load_merged
+
+        model, tok = load_merged(path, lambda base: load_model(
+            base, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code))
+        source = f"{path} (LoRA adapter merged into its base)"
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise AppoError(f"{path} is a directory but holds no config.json: not a HF model dir")

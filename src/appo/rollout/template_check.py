@@ -279,3 +279,21 @@ def _compare(tokenizer, rollout: list[int], template: list[int], call_format: st
     if rest.strip():
         raise AppoError(f"template check ({call_format}): token {n} differs: the rollout "
                         f"ends, the chat template has {_token(tokenizer, template[n])}")
+
+
+def check_call_format(cfg: Any, tokenizer: Any, announce: bool = True) -> None:
+    """With `tools.format=hermes`, the template check (`appo data check-template`) on the
+    model's tokenizer before anything trains: a template that would make the trained tokens
+    differ from what its chat template renders stops the run with one line."""
+    if cfg.tools.format != "hermes":
+        return
+    from appo.config import enabled_tool_names
+    from appo.tools.registry import tool_schemas
+
+    schemas = tool_schemas(cfg.tools)
+    if not schemas:
+        return  # no tools: nothing is called, every turn is a plain assistant turn
+    report = check_template(tokenizer, "hermes", schemas, enabled_tool_names(cfg.tools),
+                            cfg.rollout.result_template)
+    if announce:
+        print(f"appo: {report.line()}", flush=True)

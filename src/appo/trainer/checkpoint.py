@@ -8,6 +8,10 @@ Layout under `trainer.default_local_dir`:
                                 critic): model.safetensors and state.pt (optimizer, scheduler)
     global_step_{N}/manifest.json      size and sha256 of every file, written last
     latest                      text file naming the newest checkpoint written
+Under LoRA (`model.lora_rank` > 0) `global_step_{N}` holds the adapter in PEFT's format
+(`adapter_model.safetensors`, `adapter_config.json`) instead of the model, and with
+`model.lora_save_merged` a `merged/` Hugging Face directory (base weights + adapter, base
+parameter names) that transformers and vLLM load without appo or PEFT.
 
 A checkpoint is built under a temporary name and swapped in by `appo.fsutil.atomic_dir`:
 an existing `global_step_N` (resuming a finished run rewrites it) is removed only after the
@@ -35,6 +39,8 @@ from appo.fsutil import atomic_dir, atomic_write_text, is_write_failure, write_e
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: the checkpoint holds a LoRA adapter
+MERGED_DIR = "merged"
 PART_WEIGHTS = "model.safetensors"
 PART_STATE = "state.pt"
 
@@ -100,17 +106,27 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     parts: dict[str, TrainedPart] | None = None,
+    lora: Any = None,
+    merged: Any = None,
 ) -> Path:
     """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
-    passes the gathered whole-model state); `parts` go to their own subdirectories."""
+    passes the gathered whole-model state); `parts` go to their own subdirectories. `lora`
+    (an `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a
+    model also saved (with the tokenizer) to `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         with atomic_dir(final) as tmp:  # removes tmp on any failure
             try:
-                model.save_pretrained(tmp, safe_serialization=True)
+                if lora is not None:
+                    lora.save(tmp)
+                else:
+                    model.save_pretrained(tmp, safe_serialization=True)
                 tokenizer.save_pretrained(tmp)
+                if merged is not None:
+                    merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
+                    tokenizer.save_pretrained(tmp / MERGED_DIR)
                 torch.save(
                     {
                         "step": step,
@@ -250,12 +266,14 @@ def check_keys(path: Any, missing: list[str], unexpected: list[str]) -> None:
 def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = False,
                     rollout_model=None, announce: bool = True,
                     config: dict[str, Any] | None = None,
-                    parts: dict[str, TrainedPart] | None = None) -> int:
+                    parts: dict[str, TrainedPart] | None = None, lora: Any = None) -> int:
     """Load the newest valid checkpoint under `root` into the model, optimizer and
     scheduler; returns its step (0 when there is none). Under FSDP `model` is sharded and
     `rollout_model` is the whole replica the weights are loaded into first. `config` (the
     run's config as a dict) is compared with the checkpoint's: one warning per changed key.
-    `parts` (e.g. the critic) are restored from their subdirectories."""
+    `parts` (e.g. the critic) are restored from their subdirectories.
+    `lora` (an `appo.models.lora.LoraPolicy`): the checkpoint's adapter is loaded into it
+    (the base weights are those of `model.path`, which the adapter was trained on)."""
     from appo.trainer.fsdp import load_full_states
 
     path, loaded, skipped = find_checkpoint(root, load=True)
@@ -274,7 +292,15 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
         saved = "fsdp" if saved_fsdp else "ddp"
         raise AppoError(f"checkpoint {path} was written by a {saved} run; resume it with "
                         f"trainer.parallel={saved} (optimizer states differ)")
-    if fsdp:
+    saved_lora = (path / ADAPTER_CONFIG).is_file()
+    if saved_lora != (lora is not None):
+        raise AppoError(f"checkpoint {path} holds {'a LoRA adapter' if saved_lora else 'a full model'}"
+                        f"; resume it with model.lora_rank "
+                        f"{'> 0 as it was trained' if saved_lora else '= 0'}")
+    if lora is not None:
+        lora.load_adapter_state(state, path)
+        optimizer.load_state_dict(trainer_state["optimizer"])
+    elif fsdp:
         check_keys(path, *rollout_model.load_state_dict(state, strict=False))
         load_full_states(model, optimizer, rollout_model.state_dict(), trainer_state["optimizer"])
     else:

@@ -9,9 +9,12 @@ from appo.paths import check_output_dir
 
 
 def _sft(args: argparse.Namespace) -> int:
+    import torch
+
     from appo.data.sft import sft_data_from_config
     from appo.errors import AppoError
     from appo.models import load_model
+    from appo.models.lora import apply_lora
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.precision import master_dtype, train_compute_dtype
     from appo.trainer.rundir import prepare_run_dir
@@ -26,6 +29,8 @@ def _sft(args: argparse.Namespace) -> int:
     print(f"appo sft: run directory {cfg.sft.output_dir}", flush=True)
     # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
     lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
+    torch.manual_seed(cfg.trainer.seed)  # the LoRA adapter's initialisation
+    lora = apply_lora(lm.model, cfg.model)  # None: full fine-tuning
     if cfg.actor.lean_mlp_activations:  # the same memory saving as in RL (appo.trainer.memory)
         from appo.trainer.memory import lean_mlp_activations
 
@@ -41,7 +46,8 @@ def _sft(args: argparse.Namespace) -> int:
     result = train_sft(lm.model, lm.tokenizer, train.examples, s, seed=cfg.trainer.seed,
                        val=val, logger=logger,
                        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                       compute_dtype=train_compute_dtype(cfg))
+                       compute_dtype=train_compute_dtype(cfg), lora=lora,
+                       save_merged=cfg.model.lora_save_merged)
     logger.close()
     last = result.train_loss[-1] if result.train_loss else float("nan")
     print(f"appo sft: {result.steps} steps in {result.seconds:.0f} s, final loss {last:.4f}"

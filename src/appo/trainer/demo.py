@@ -158,8 +158,12 @@ def _sft_stage(trainer, cfg) -> Any:
     logger = MetricsLogger(cfg.sft.output_dir, [x for x in cfg.trainer.logger if x == "jsonl"])
     result = train_sft(trainer.model, trainer.tokenizer, data.examples,
                        cfg.sft, seed=cfg.trainer.seed, logger=logger,
-                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                       lora=trainer.lora, save_merged=cfg.model.lora_save_merged)
     logger.close()
+    # The weights changed outside the RL loop: engines with their own copy (vllm, the LoRA
+    # merged model) reload before the next evaluation.
+    trainer._rollout_stale = True
     return result, len(data.examples)
 
 

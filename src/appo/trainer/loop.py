@@ -16,6 +16,9 @@ Deviations from the original (verl) and why:
 - All per-step randomness (sampling, branch decisions) is derived from (seed, step), so a
   resumed run repeats an uninterrupted one bit for bit on CPU.
 - Data parallelism: `appo.trainer.distributed`.
+- LoRA (`model.lora_rank` > 0, `appo.models.lora`): only the adapter trains; the KL
+  reference is the base model with the adapter off; the engines sample from a merged
+  copy (`rollout_model`), re-merged before the first rollout after each update.
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ class RLTrainer:
             batch, adv_metrics = compute_advantages(batch, self.cfg.algorithm.adv_estimator,
                                                     self.adv_params)
             train = batch.select(own)
-        if self.ref_model is not None:
+        if self.ref_model is not None or (self.lora is not None and kl_coef(self.cfg.actor)):
             with timer.measure("ref_logp"):
-                train.ref_logp = self._logprobs(self.ref_model, train)
+                train.ref_logp = self.reference_logprobs(train)
         if needs_old_logp(self.cfg.actor, train, self.dp):
             with timer.measure("old_logp"):
                 train.old_logp = self._logprobs(self.model, train)
@@ -136,6 +139,8 @@ class RLTrainer:
         for name, secs in timer.phases.items():
             metrics[f"time/{name}"] = secs
         metrics["time/step"] = sum(timer.phases.values())
+        if self.lora is not None:  # this step's re-merge (inside time/rollout)
+            metrics["time/lora_merge"] = self.lora.merge_seconds
         train_tokens = int(train.lengths.sum()) * self.cfg.actor.ppo_epochs
         metrics["perf/rollout_tokens_per_s"] = rollout.stats.tokens_decoded / max(
             timer.phases["rollout"], 1e-9)
@@ -206,6 +211,14 @@ class RLTrainer:
                                 temperature=self.train_temperature,
                                 compute_dtype=self.compute_dtype, tree=a.tree_forward)
 
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs `[B, T]` of the KL reference: the frozen copy, or under LoRA the base
+        model (the adapter switched off, no second copy of the weights)."""
+        if self.lora is not None:
+            with self.lora.disabled():
+                return self._logprobs(self.model, batch)
+        return self._logprobs(self.ref_model, batch)
+
     def validate(self) -> dict[str, float]:
         """pass@1 (mean over `eval.k` samples) and tool statistics on the validation set."""
         if not self.val_data:
@@ -248,6 +261,8 @@ class RLTrainer:
         engine; servers shared by all ranks are synced by rank 0."""
         if not self._rollout_stale:
             return
+        if self.lora is not None:
+            self.lora.merge()
         if self.fsdp:
             from appo.trainer.checkpoint import check_keys
 
@@ -275,9 +290,14 @@ class RLTrainer:
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
         if not self.dp.is_main:
             return None
+        merged = None
+        if self.lora is not None and self.cfg.model.lora_save_merged:
+            self.sync_rollout_weights()  # the merged model of the current adapter
+            merged = self.rollout_model
         return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
                                self.optimizer, self.scheduler, extra=extra,
-                               optimizer_state=optimizer_state, parts=self._parts())
+                               optimizer_state=optimizer_state, parts=self._parts(), lora=self.lora,
+                               merged=merged)
 
     def _parts(self) -> dict:
         """Trained modules besides the policy, for checkpoints: the critic, if any."""
@@ -304,9 +324,11 @@ class RLTrainer:
         """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
         from appo.data.rl import rl_data_from_config
         from appo.models import load_model
+        from appo.models.lora import apply_lora
         from appo.rewards import router_from_config
         from appo.rollout import RolloutSettings, build_engine
         from appo.rollout.auto import Workload
+        from appo.rollout.template_check import check_call_format
         from appo.tools.registry import build_tools
         from appo.trainer.checkpoint import resume_training
         from appo.trainer.metrics import MetricsLogger
@@ -324,16 +346,19 @@ class RLTrainer:
                               if next(self.model.parameters()).dtype == torch.float32 else None)
         self.tokenizer = self.lm.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.lora = apply_lora(self.model, cfg.model)  # None: full fine-tuning
         if cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
+                self.model.enable_input_require_grads()
         if cfg.actor.lean_mlp_activations and not fsdp_requested(cfg.trainer.parallel,
                                                                  self.dp.enabled):
             lean_mlp_activations(self.model)
-        if cfg.actor.freeze_embeddings:
+        if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)
         self.ref_model = None
-        if kl_coef(cfg.actor) != 0:
+        if kl_coef(cfg.actor) != 0 and self.lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             if self.compute_dtype is not None:  # a frozen copy needs no float32 master
                 self.ref_model.to(self.compute_dtype)
@@ -341,6 +366,11 @@ class RLTrainer:
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model
         self._rollout_stale = False
+        if self.lora is not None:
+            if self.fsdp:
+                raise AppoError("model.lora_rank > 0 is not supported with "
+                                "trainer.parallel=fsdp yet; use ddp (the default)")
+            self.rollout_model = self.lora.rollout_model()
         if self.fsdp:
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             shard_model(self.model, self.dp.world)
@@ -370,7 +400,7 @@ class RLTrainer:
                                    workload=workload, announce=self.dp.is_main)
         # An engine with its own copy of the weights (vllm, servers) loaded model.path, which a
         # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
-        self._rollout_stale = hasattr(self.engine, "sync_weights")
+        self._rollout_stale = hasattr(self.engine, "sync_weights") or self.lora is not None
         self.settings = RolloutSettings.from_config(cfg)
         # verl computes training log-probs at the rollout temperature (docs/algorithms.md §4.7);
         # a greedy rollout (temperature 0) has no such distribution: 1.
@@ -398,7 +428,7 @@ class RLTrainer:
             self.step = resume_training(self.out_dir, self.model, self.optimizer, self.scheduler,
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
                                         announce=self.dp.is_main, config=to_container(cfg),
-                                        parts=self._parts())
+                                        parts=self._parts(), lora=self.lora)
         if cfg.actor.max_memory_gb is not None:  # the update's token budget from a target
             apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp)
         # Rows logged after the checkpoint resumed from are redone: drop them.
@@ -443,25 +473,6 @@ class RLTrainer:
         if o.lr_scheduler == "cosine":
             return get_cosine_schedule_with_warmup(self.optimizer, warmup, total)
         return get_constant_schedule_with_warmup(self.optimizer, warmup)
-
-
-def check_call_format(cfg: Any, tokenizer: Any, announce: bool = True) -> None:
-    """With `tools.format=hermes`, the template check (`appo data check-template`) on the
-    model's tokenizer before anything trains: a template that would make the trained tokens
-    differ from what its chat template renders stops the run with one line."""
-    if cfg.tools.format != "hermes":
-        return
-    from appo.config import enabled_tool_names
-    from appo.rollout.template_check import check_template
-    from appo.tools.registry import tool_schemas
-
-    schemas = tool_schemas(cfg.tools)
-    if not schemas:
-        return  # no tools: nothing is called, every turn is a plain assistant turn
-    report = check_template(tokenizer, "hermes", schemas, enabled_tool_names(cfg.tools),
-                            cfg.rollout.result_template)
-    if announce:
-        print(f"appo: {report.line()}", flush=True)
 
 
 def _report_overlong(key: str, data: Any, limit: int) -> None:

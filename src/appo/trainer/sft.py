@@ -104,11 +104,15 @@ def train_sft(
     progress: bool = True,
     gradient_checkpointing: bool = False,
     compute_dtype: torch.dtype | None = None,
+    lora: Any = None,
+    save_merged: bool = False,
 ) -> SFTResult:
     """Run SFT in place on `model` under `params` (an `appo.config.SFTConfig`: `sft.*`);
     checkpoints go to `params.output_dir`. Returns the loss curve and the final checkpoint
     path. `seed` (`trainer.seed`) orders the data. `compute_dtype`: the forwards' autocast
-    dtype over float32 master weights (`appo.trainer.precision`), or None."""
+    dtype over float32 master weights (`appo.trainer.precision`), or None. `lora` (an
+    `appo.models.lora.LoraPolicy` whose `model` is `model`): checkpoints hold its adapter,
+    plus the merged model in `merged/` when `save_merged` (`model.lora_save_merged`)."""
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -123,6 +127,8 @@ def train_sft(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if lora is not None:  # frozen embeddings: checkpointed blocks need grads coming in
+            model.enable_input_require_grads()
     per_step = params.batch_size * params.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train) / per_step)
     total_steps = steps_per_epoch * params.epochs
@@ -177,7 +183,7 @@ def train_sft(
             bar.update(1)
             bar.set_postfix(loss=f"{loss_total:.3f}")
             if params.save_freq > 0 and step % params.save_freq == 0:
-                save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler)
+                _save(out_dir, step, model, tokenizer, optimizer, scheduler, lora, save_merged)
     bar.close()
     model.eval()
     result.steps = step
@@ -185,6 +191,14 @@ def train_sft(
         result.eval_loss = evaluate_loss(model, val, pad_id, params.batch_size)
         if logger is not None:
             logger.log(step, {"sft/eval_loss": result.eval_loss}, console_keys=["sft/eval_loss"])
-    result.checkpoint = save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler)
+    result.checkpoint = _save(out_dir, step, model, tokenizer, optimizer, scheduler, lora,
+                              save_merged)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _save(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, lora: Any,
+          save_merged: bool) -> Path:
+    merged = lora.rollout_model() if lora is not None and save_merged else None
+    return save_checkpoint(out_dir, step, model, tokenizer, optimizer, scheduler, lora=lora,
+                           merged=merged)

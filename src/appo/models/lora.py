@@ -1,0 +1,204 @@
+"""LoRA adapters through PEFT (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language
+Models"), under verl's keys: `model.lora_rank` (0: full fine-tuning), `model.lora_alpha`,
+`model.target_modules` ("all-linear" or a list of module names), `model.lora_dropout`.
+
+`LoraPolicy` wraps a loaded causal LM:
+- `model`: the Hugging Face model itself with PEFT's LoRA layers injected (the trainer's
+  forwards use it as before); only the adapter parameters require grad, so the optimizer
+  holds states for them alone.
+- `disabled()`: the base model (the adapter switched off), the reference policy of a KL
+  term without a second copy of the weights.
+- `rollout_model()`: a plain model of the base architecture whose adapted linear layers
+  hold merged weights `W + (alpha / r) B A` and which shares every other tensor (embeddings,
+  norms) with the policy. The rollout engines sample from it, the vllm/openai engines sync
+  it (base parameter names), and it is the merged Hugging Face checkpoint. `merge()`
+  refreshes it after an update: one pass over the adapted matrices.
+Deviation from verl (which merges the adapter into the base weights in place before a weight
+sync, then unmerges): in-place merge/unmerge adds and subtracts the same product, which is
+not exact in floating point, so the base weights would drift step by step; a separate
+merged copy keeps them bit-identical and resume exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appo.errors import AppoError
+
+ADAPTER = "default"  # PEFT's adapter name; appo trains one adapter
+
+__all__ = ["LoraPolicy", "apply_lora", "lora_enabled"]
+
+
+def lora_enabled(model_cfg: Any) -> bool:
+    """`model.lora_rank > 0` (checked: a negative rank is an error)."""
+    rank = int(getattr(model_cfg, "lora_rank", 0) or 0)
+    if rank < 0:
+        raise AppoError(f"model.lora_rank must be >= 0 (0: full fine-tuning), got {rank}")
+    return rank > 0
+
+
+def _target_modules(value: Any) -> str | list[str]:
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    if isinstance(value, Sequence) and len(value) and all(  # a list or OmegaConf ListConfig
+            isinstance(v, str) and v for v in value):
+        return [str(v) for v in value]
+    raise AppoError(f"model.target_modules must be 'all-linear' or a list of module names "
+                    f"(e.g. [q_proj,v_proj]), got {value!r}")
+
+
+class LoraPolicy:
+    """A causal LM with one trainable LoRA adapter (see module docstring)."""
+
+    def __init__(self, peft_model: Any):
+        self.peft = peft_model
+        self.model = peft_model.base_model.model  # the HF model, LoRA layers injected
+        from peft.tuners.lora import LoraLayer
+
+        self.layers: dict[str, Any] = {name: m for name, m in self.model.named_modules()
+                                       if isinstance(m, LoraLayer)}
+        self._rollout: torch.nn.Module | None = None
+        self.merge_seconds = 0.0  # the last merge's wall time
+
+    # ------------------------------------------------------------------ policy / reference
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Inside: `model` computes the base model (adapter off); the reference policy."""
+        with self.peft.disable_adapter():
+            yield
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ merged weights
+    def rollout_model(self) -> torch.nn.Module:
+        """The merged model (built on first use), merged from the adapter as it is now."""
+        if self._rollout is None:
+            self._rollout = self._merged_structure()
+        self.merge()
+        return self._rollout
+
+    def _merged_structure(self) -> torch.nn.Module:
+        # Share every tensor but the adapted layers' weights (deepcopy returns memo
+        # entries as they are), then replace each LoRA layer by its (copied) base layer.
+        adapted = {id(layer.get_base_layer().weight) for layer in self.layers.values()}
+        memo: dict[int, Any] = {}
+        for p in self.model.parameters():
+            if id(p) not in adapted and not p.requires_grad:
+                memo[id(p)] = p
+        for b in self.model.buffers():
+            memo[id(b)] = b
+        # PEFT's own bookkeeping on the model must not follow the copy (a merged model is
+        # a plain Hugging Face model, saved with base names).
+        merged = copy.deepcopy(self.model, memo)
+        for name in self.layers:
+            merged.set_submodule(name, merged.get_submodule(name).get_base_layer())
+        for attr in ("peft_config", "_hf_peft_config_loaded"):
+            merged.__dict__.pop(attr, None)
+        return merged.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def merge(self) -> float:
+        """Refresh the merged model from the current adapter (`W + delta` per adapted layer);
+        returns the seconds it took (also kept as `merge_seconds`)."""
+        if self._rollout is None:
+            return 0.0  # nothing merged yet: `rollout_model()` builds and merges
+        t0 = time.perf_counter()
+        for name, layer in self.layers.items():
+            base = layer.get_base_layer().weight
+            out = self._rollout.get_submodule(name).weight
+            out.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
+        self.merge_seconds = time.perf_counter() - t0
+        return self.merge_seconds
+
+    # ------------------------------------------------------------------ checkpoints
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft)
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor], source: Any) -> None:
+        """Load a PEFT adapter state dict (`adapter_model.safetensors`) saved by `save`."""
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft, state)
+        expected = set(self.adapter_state())
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected or set(state) != expected:
+            missing = sorted(expected - set(state))
+            raise AppoError(f"adapter in {source} does not match model.lora_* (missing "
+                            f"{missing[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
+
+    def save(self, path: str | Path) -> None:
+        """`adapter_model.safetensors` + `adapter_config.json` (PEFT's format)."""
+        # save_embedding_layers="auto" would look the base up on the Hub (network); the base
+        # embeddings never change here (frozen, never resized), so there is nothing to add.
+        self.peft.save_pretrained(str(path), safe_serialization=True,
+                                  save_embedding_layers=False)
+
+
+def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
+    """Inject a LoRA adapter into `model` (in place) per `model.*`; None when
+    `model.lora_rank` is 0. The base weights are frozen; PEFT initialises A randomly
+    (from the torch generator: seed before) and B to zero, so the adapted model starts as
+    the base model."""
+    if not lora_enabled(model_cfg):
+        return None
+    from peft import LoraConfig, get_peft_model
+
+    alpha = float(model_cfg.lora_alpha)
+    dropout = float(model_cfg.lora_dropout)
+    if not 0.0 <= dropout < 1.0:
+        raise AppoError(f"model.lora_dropout must be in [0, 1), got {dropout}")
+    config = LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=_target_modules(model_cfg.target_modules),
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. target modules not found in the model
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise AppoError(f"model.target_modules: {first}") from None
+    # adapter_config.json names the base as appo loads it (an alias, a hub id or an absolute
+    # directory), so `model.path=<checkpoint>` can rebuild the merged model.
+    spec = str(getattr(model_cfg, "path", "") or "")
+    if spec and Path(spec).expanduser().exists():
+        spec = str(Path(spec).expanduser().resolve())
+    peft_model.peft_config[ADAPTER].base_model_name_or_path = spec or None
+    return LoraPolicy(peft_model)
+
+
+def load_merged(path: Path, load_base: Any) -> tuple[Any, Any]:
+    """An appo LoRA checkpoint directory (`adapter_config.json`, no `config.json`) as a
+    plain model: its base (`load_base(spec)`, a `LoadedModel`) with the adapter merged in.
+    Returns (model, tokenizer)."""
+    import json
+
+    from peft import PeftModel
+
+    try:
+        spec = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError) as e:
+        raise AppoError(f"unreadable adapter_config.json in {path}: {e}") from None
+    if not spec:
+        raise AppoError(f"{path}/adapter_config.json names no base model "
+                        "(base_model_name_or_path)")
+    base = load_base(str(spec))
+    try:
+        model = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    except Exception as e:  # noqa: BLE001 - PEFT raises many types for a mismatched adapter
+        raise AppoError(f"cannot apply the adapter in {path} to {spec}: "
+                        f"{type(e).__name__}: {e}") from None
+    tokenizer = base.tokenizer
+    if (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model, tokenizer
