@@ -58,6 +58,8 @@ class DataConfig:
     # (appo.data.templates.APPO_STAGE_PROMPT); the published APPO configs turn it on.
     appo_stage_prompt: bool = False
     train_batch_size: int = 4
+    # Held-out prompts rolled out at once by training-time evaluation (validation, the
+    # demo's stages): their KV cache lives together, so this bounds evaluation's memory.
     val_batch_size: int = 16
     max_prompt_length: int = 512
     max_response_length: int = 384

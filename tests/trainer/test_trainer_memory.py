@@ -131,3 +131,26 @@ def test_lean_mlp_leaves_no_grad_and_wrapped_projections_alone():
     mlp.down_proj = torch.nn.Sequential(mlp.down_proj)  # e.g. a LoRA wrapper: not plain
     out = mlp(x.requires_grad_())
     assert out.grad_fn is not None and "SwiGLU" not in type(out.grad_fn).__name__
+
+
+def test_evaluation_runs_in_chunks_of_val_batch_size(toy):
+    """16 held-out prompts with data.val_batch_size=5: four rollouts of 5, 5, 5, 1 prompts
+    (one chunk's KV cache at a time), distinct uids, every example answered once and each
+    trajectory paired with the example it answers."""
+    cfg = toy_config(toy, f"data.val_files=[{toy['data']}]", "data.val_batch_size=5",
+                     "eval.max_response_length=4")
+    trainer = RLTrainer(cfg, progress=False)
+    sizes, real = [], trainer.rollout
+
+    def spy(examples, tag, seed, **kw):
+        sizes.append(len(examples))
+        return real(examples, tag, seed, **kw)
+
+    trainer.rollout = spy
+    ev = trainer.evaluate(trainer.val_data, "val", 3, n=1)
+    trainer.tools.close()
+    assert sizes == [5, 5, 5, 1]
+    assert len({t.uid for t in ev.trajectories}) == 16
+    assert sorted(id(e) for e in ev.examples) == sorted(id(e) for e in trainer.val_data)
+    for t, ex in zip(ev.trajectories, ev.examples, strict=True):
+        assert t.prompt_ids == trainer._prompt_ids(ex)

@@ -55,10 +55,20 @@ class Evaluation:
 def evaluate(trainer: Any, examples: list[RLExample], tag: str, seed: int,
              settings: Any) -> Evaluation:
     """Sample `settings.n` independent answers (grpo) per example from the trainer's current
-    policy and score them; gathered over ranks."""
-    batch, by_uid = trainer.rollout(examples, tag, seed, settings=settings, strategy="grpo")
-    rewards = trainer.score(batch.trajectories, by_uid)
+    policy and score them; gathered over ranks. Examples go in chunks of
+    `data.val_batch_size` prompts, one rollout each (chunk `c > 0` has tag `{tag}.{c}` and
+    seed `seed + c`), so one chunk's KV cache is alive at a time."""
+    size = max(1, int(trainer.cfg.data.val_batch_size))
+    trajs, rewards, by_uid = [], [], {}
+    for c, start in enumerate(range(0, len(examples), size)):
+        batch, uids = trainer.rollout(examples[start : start + size],
+                                      tag if c == 0 else f"{tag}.{c}", seed + c,
+                                      settings=settings, strategy="grpo")
+        trajs += batch.trajectories
+        rewards += trainer.score(batch.trajectories, uids)
+        by_uid.update(uids)
+        del batch  # the next chunk's rows reuse the memory
     dp = trainer.dp
-    trajs = dp.gather_objects(batch.trajectories)
+    trajs = dp.gather_objects(trajs)
     rewards = dp.gather_objects(rewards)
     return Evaluation(trajs, rewards, [by_uid[t.uid] for t in trajs], questions=len(examples))
