@@ -59,8 +59,9 @@ DEMO_OVERRIDES = [
     "actor.freeze_embeddings=true",
     "actor.optim.lr_scheduler=constant",
     "actor.ppo_mini_batch_size=4",
-    # ~1.3 MB of saved activations per token in float32: 2048 tokens keep the update < 4 GB.
-    "actor.ppo_max_token_len_per_device=2048",
+    # The update's micro-batch budget from a memory target (appo.trainer.memory): the demo
+    # aims at a laptop, so the whole process should stay under 4 GB.
+    "actor.max_memory_gb=3.5",
     "eval.k=1",
     "eval.temperature=0.0",
     "eval.max_response_length=160",
