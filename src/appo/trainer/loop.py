@@ -127,6 +127,8 @@ class RLTrainer:
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp, temperature=self.train_temperature,
                                    compute_dtype=self.compute_dtype)
+            # Not needed before the next update: free them for the rollout and evaluation.
+            self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             with timer.measure("critic_update"):
                 update.update(self.critic.update(train, self.dp))
