@@ -216,3 +216,54 @@ def test_two_process_gae_training_run_completes(toy):
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["critic/vf_loss"] > 0 for row in rows)
     assert (run / "global_step_2" / "critic" / "model.safetensors").is_file()
+
+
+def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
+    """Under trainer.parallel=fsdp both the policy and the critic are sharded: one update of
+    each equals the single-process one (as the DDP test), and the critic's checkpoint part
+    (whole states gathered) loads into a fresh sharded critic that then updates identically."""
+    from safetensors.torch import load_file
+    from test_trainer_rl import _accelerate_launch, _fixed_rows
+
+    from appo.config import ActorConfig
+    from appo.trainer.distributed import DataParallel
+    from appo.trainer.update import update_policy
+
+    out = tmp_path / "fsdp_critic.pt"
+    r = _accelerate_launch(str(Path(__file__).parent / "fsdp_critic_worker.py"), str(out),
+                           str(Path(__file__).parent), str(tmp_path / "critic_part"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = torch.load(out)
+    # The actor (as test_two_process_update_matches_single_process).
+    lm = load_model("tiny-test")
+    opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+    single = update_policy(lm.model, opt, _fixed_rows(lm.tokenizer, n=8),
+                           ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64),
+                           max_response_length=384)
+    assert dist["actor_metrics"]["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"],
+                                                                     rel=1e-5)
+    for name, p in lm.model.named_parameters():
+        assert torch.allclose(dist["actor_params"][name], p, atol=1e-5), name
+    # The critic: values, loss, grad norm and parameters.
+    critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    rows = fixed_critic_rows(tok, n=8, branch_row=True)
+    values = critic.values(rows, list(range(len(rows))), DataParallel())
+    assert torch.allclose(dist["values"], values, atol=1e-5)
+    m = critic.update(rows)
+    assert dist["metrics"]["critic/vf_loss"] == pytest.approx(m["critic/vf_loss"], rel=1e-5)
+    assert dist["metrics"]["critic/grad_norm"] == pytest.approx(m["critic/grad_norm"], rel=1e-5)
+    for name, p in critic.model.named_parameters():
+        assert torch.allclose(dist["params"][name], p, atol=1e-5), name
+    # The round trip: the saved file holds the updated weights (tied ones once), the loaded
+    # critic equals the saved one, and its next update equals the original's bit for bit.
+    saved = load_file(str(tmp_path / "critic_part" / "model.safetensors"))
+    assert "backbone.lm_head.weight" not in saved  # tied to the embeddings
+    for name, t in dist["params"].items():
+        assert torch.equal(dist["loaded_params"][name], t), name
+        if name in saved:
+            assert torch.equal(saved[name], t), name
+    (m_a, p_a), (m_b, p_b) = dist["after"], dist["after_loaded"]
+    assert m_a == m_b
+    for name, t in p_a.items():
+        assert torch.equal(p_b[name], t), name
+    assert not torch.equal(p_a["value_head.weight"], dist["params"]["value_head.weight"])
