@@ -267,3 +267,37 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
     for name, t in p_a.items():
         assert torch.equal(p_b[name], t), name
     assert not torch.equal(p_a["value_head.weight"], dist["params"]["value_head.weight"])
+
+
+def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
+    """The trainer under FSDP with the critic: 2 steps + resume to 3 equals 3 straight (the
+    checkpoint holds gathered whole states of both; resume loads them into the shards)."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_trainer_rl import _accelerate_launch
+
+    def run(out, *extra):
+        r = _accelerate_launch(
+            "-m", "appo.cli", "train", "model.path=tiny-test",
+            f"data.train_files=[{toy['data']}]", "data.val_files=[]",
+            "data.train_batch_size=2", "data.max_response_length=16",
+            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+            "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.parallel=fsdp",
+            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run(tmp_path / "a", "trainer.total_steps=3")
+    run(tmp_path / "b", "trainer.total_steps=2")
+    resumed = run(tmp_path / "b", "trainer.total_steps=3", "trainer.resume=true")
+    assert [row["step"] for row in resumed] == [1, 2, 3]
+    for k in ["reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
+              "critic/grad_norm", "adv/values_mean"]:
+        assert straight[-1][k] == resumed[-1][k], (k, straight[-1][k], resumed[-1][k])
+    for f in ["model.safetensors", "critic/model.safetensors"]:
+        a, b = (load_file(str(tmp_path / d / "global_step_3" / f)) for d in "ab")
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (f, name)
