@@ -158,22 +158,15 @@ def _critic_params(trainer: RLTrainer) -> list[torch.Tensor]:
 
 
 def test_resume_equals_uninterrupted_with_the_critic(toy, tmp_path):
-    common = ("rollout.strategy=arpo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
-    straight = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3",
-                                    f"trainer.default_local_dir={tmp_path / 'a'}"),
-                         progress=False)
-    full = straight.fit()
-    RLTrainer(toy_config(toy, *common, "trainer.total_steps=2",
-                         f"trainer.default_local_dir={tmp_path / 'b'}"), progress=False).fit()
-    resumed = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3", "trainer.resume=true",
-                                   f"trainer.default_local_dir={tmp_path / 'b'}"),
-                        progress=False)
-    assert resumed.step == 2
-    assert (tmp_path / "b" / "global_step_2" / "critic" / "model.safetensors").is_file()
-    [last] = resumed.fit()
-    for k in ["reward/mean", "actor/pg_loss", "critic/vf_loss", "critic/grad_norm",
-              "adv/values_mean"]:
-        assert full[-1][k] == last[k], (k, full[-1][k], last[k])  # bit for bit on CPU
+    from resume_check import straight_and_resumed
+
+    runs = straight_and_resumed(toy, tmp_path, "rollout.strategy=arpo",
+                                "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
+    straight, resumed = runs.straight, runs.resumed
+    assert (runs.b / "global_step_2" / "critic" / "model.safetensors").is_file()
+    assert [h["step"] for h in runs.rest] == [3]
+    runs.assert_same_metrics(["reward/mean", "actor/pg_loss", "critic/vf_loss",
+                              "critic/grad_norm", "adv/values_mean"])
     for pa, pb in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     for pa, pb in zip(_critic_params(straight), _critic_params(resumed), strict=True):
