@@ -164,9 +164,9 @@ def save_checkpoint(
 ) -> Path:
     """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
     passes the gathered whole-model state); `parts` go to their own subdirectories (under
-FSDP as `TrainedPart.gather` returned them on rank 0). `lora`
-    (an `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a
-    model also saved (with the tokenizer) to `merged/`."""
+    FSDP as `TrainedPart.gather` returned them on rank 0). `lora` (an
+    `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a model
+    also saved (with the tokenizer) to `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
     try:
