@@ -20,9 +20,12 @@ from test_trainer_rl import make_toy, toy_config  # noqa: E402
 SYSTEM = "<|im_start|>system\nYou are a careful assistant. Be brief.<|im_end|>\n"
 
 
-def fixed_critic_rows(tok, n: int = 8, branch_row: bool = False) -> TrainBatch:
+def fixed_critic_rows(tok, n: int = 8, branch_row: bool = False,
+                      branches: bool = False) -> TrainBatch:
     """`n` rows in groups of two sharing a long prompt, tool spans in odd rows, fixed values
-    and rewards; optionally an APPO branch row (all-zero mask) with extreme targets."""
+    and rewards; optionally an APPO branch row (all-zero mask) with extreme targets, and
+    `branches`: ARPO-style branch rows (trained tokens) that repeat their parent's response
+    up to a branch point, so the rows form a trie deeper than the shared prompt."""
     g = torch.Generator().manual_seed(0)
     ids, prompt_lens, masks, values, rewards, uids = [], [], [], [], [], []
     for i in range(n):
@@ -38,6 +41,15 @@ def fixed_critic_rows(tok, n: int = 8, branch_row: bool = False) -> TrainBatch:
         values.append(torch.randn(len(resp), generator=g).tolist())
         rewards.append(float(i % 3) / 2)
         uids.append(f"u{i // 2}")
+    for parent in range(n - 2, n) if branches else ():  # the two longest rows
+        cut = prompt_lens[parent] + len(masks[parent]) // 2
+        tail = torch.randint(0, 250, (5,), generator=g).tolist()
+        ids.append(ids[parent][:cut] + tail)
+        prompt_lens.append(prompt_lens[parent])
+        masks.append(masks[parent][: cut - prompt_lens[parent]] + [1] * len(tail))
+        values.append(torch.randn(len(masks[-1]), generator=g).tolist())
+        rewards.append(1.0)
+        uids.append(uids[parent])
     if branch_row:
         ids.append(ids[0] + [5, 6, 7])
         prompt_lens.append(prompt_lens[0])
@@ -54,13 +66,13 @@ def fixed_critic_rows(tok, n: int = 8, branch_row: bool = False) -> TrainBatch:
         values=pad_right(values, 0.0, torch.float32))
 
 
-def make_critic(*overrides: str) -> tuple[Critic, object]:
+def make_critic(*overrides: str, fsdp: bool = False) -> tuple[Critic, object]:
     cfg = load_config(overrides=["model.path=tiny-test", "algorithm.adv_estimator=gae",
                                  "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
                                  "critic.optim.lr=1e-3", *overrides])
     lm = load_model("tiny-test")
     torch.manual_seed(0)  # the value head's initialisation
-    return Critic.from_config(cfg, lm, total_steps=3), lm.tokenizer
+    return Critic.from_config(cfg, lm, total_steps=3, fsdp=fsdp), lm.tokenizer
 
 
 def test_critic_update_ignores_token_budget_and_branch_rows():
@@ -95,6 +107,40 @@ def test_values_shared_prefix_equal_the_plain_forward_and_move_with_training():
     assert losses[-1] < losses[0], losses
 
 
+def test_critic_with_the_tree_forward_equals_the_plain_forward(monkeypatch):
+    """actor.tree_forward gives the critic's values and update the tree-shared forward (each
+    shared prefix, branch points included, computed once): same values, same update."""
+    from appo.trainer import forward
+    from appo.trainer.distributed import DataParallel
+    from appo.trainer.forward import plan_shared_microbatches
+
+    tree_calls = []
+    real_tree = forward.tree_hidden_states
+    monkeypatch.setattr(forward, "tree_hidden_states",
+                        lambda *a, **k: tree_calls.append(1) or real_tree(*a, **k))
+
+    tree, tok = make_critic("actor.tree_forward=true")
+    plain, _ = make_critic("actor.share_prefix_forward=false")
+    assert tree.tree and not plain.share_prefix
+    rows = fixed_critic_rows(tok, branches=True)
+    # The tree does share more than the common prompt here (the branches' parent tokens).
+    args = (rows.input_ids, rows.lengths, 100_000, rows.uids, True)
+    assert (plan_shared_microbatches(*args, tree=True).padded_tokens
+            < plan_shared_microbatches(*args).padded_tokens)
+    own = list(range(len(rows)))
+    values = tree.values(rows, own, DataParallel())
+    assert torch.allclose(values, plain.values(rows, own, DataParallel()), atol=1e-5)
+    assert len(tree_calls) == 1  # one micro-batch, through the tree forward
+    m_tree, m_plain = tree.update(rows), plain.update(rows)
+    assert len(tree_calls) > 1
+    assert m_tree["critic/vf_loss"] == pytest.approx(m_plain["critic/vf_loss"], rel=1e-5)
+    assert m_tree["critic/grad_norm"] == pytest.approx(m_plain["critic/grad_norm"], rel=1e-5)
+    # Summation order differs, and AdamW's first step scales tiny gradients up to the
+    # learning rate: measured 1.3e-6 at most here (the shared-prefix forward: 1.7e-6).
+    for pa, pb in zip(tree.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-5)
+
+
 def test_value_model_head_is_scalar_on_final_hidden_states():
     lm = load_model("tiny-test")
     model = ValueModel(lm.model)
@@ -112,22 +158,15 @@ def _critic_params(trainer: RLTrainer) -> list[torch.Tensor]:
 
 
 def test_resume_equals_uninterrupted_with_the_critic(toy, tmp_path):
-    common = ("rollout.strategy=arpo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
-    straight = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3",
-                                    f"trainer.default_local_dir={tmp_path / 'a'}"),
-                         progress=False)
-    full = straight.fit()
-    RLTrainer(toy_config(toy, *common, "trainer.total_steps=2",
-                         f"trainer.default_local_dir={tmp_path / 'b'}"), progress=False).fit()
-    resumed = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3", "trainer.resume=true",
-                                   f"trainer.default_local_dir={tmp_path / 'b'}"),
-                        progress=False)
-    assert resumed.step == 2
-    assert (tmp_path / "b" / "global_step_2" / "critic" / "model.safetensors").is_file()
-    [last] = resumed.fit()
-    for k in ["reward/mean", "actor/pg_loss", "critic/vf_loss", "critic/grad_norm",
-              "adv/values_mean"]:
-        assert full[-1][k] == last[k], (k, full[-1][k], last[k])  # bit for bit on CPU
+    from resume_check import straight_and_resumed
+
+    runs = straight_and_resumed(toy, tmp_path, "rollout.strategy=arpo",
+                                "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3")
+    straight, resumed = runs.straight, runs.resumed
+    assert (runs.b / "global_step_2" / "critic" / "model.safetensors").is_file()
+    assert [h["step"] for h in runs.rest] == [3]
+    runs.assert_same_metrics(["reward/mean", "actor/pg_loss", "critic/vf_loss",
+                              "critic/grad_norm", "adv/values_mean"])
     for pa, pb in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     for pa, pb in zip(_critic_params(straight), _critic_params(resumed), strict=True):
@@ -192,9 +231,6 @@ def test_critic_from_another_model_spec_and_bad_inputs(tmp_path):
     assert isinstance(critic.model.value_head, torch.nn.Linear)
     with pytest.raises(AppoError):
         make_critic(f"critic.model.path={tmp_path / 'no-such-model'}")
-    cfg = load_config(overrides=["model.path=tiny-test", "algorithm.adv_estimator=gae"])
-    with pytest.raises(AppoError, match="fsdp"):
-        Critic.from_config(cfg, load_model("tiny-test"), total_steps=1, fsdp=True)
     with pytest.raises(AppoError, match="algorithm.lam"):
         load_config(overrides=["algorithm.lam=1.5"])
     with pytest.raises(AppoError, match="critic.cliprange_value"):
@@ -219,3 +255,88 @@ def test_two_process_gae_training_run_completes(toy):
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["critic/vf_loss"] > 0 for row in rows)
     assert (run / "global_step_2" / "critic" / "model.safetensors").is_file()
+
+
+def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
+    """Under trainer.parallel=fsdp both the policy and the critic are sharded: one update of
+    each equals the single-process one (as the DDP test), and the critic's checkpoint part
+    (whole states gathered) loads into a fresh sharded critic that then updates identically."""
+    from safetensors.torch import load_file
+    from test_trainer_rl import _accelerate_launch, _fixed_rows
+
+    from appo.config import ActorConfig
+    from appo.trainer.distributed import DataParallel
+    from appo.trainer.update import update_policy
+
+    out = tmp_path / "fsdp_critic.pt"
+    r = _accelerate_launch(str(Path(__file__).parent / "fsdp_critic_worker.py"), str(out),
+                           str(Path(__file__).parent), str(tmp_path / "critic_part"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    dist = torch.load(out)
+    # The actor (as test_two_process_update_matches_single_process).
+    lm = load_model("tiny-test")
+    opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+    single = update_policy(lm.model, opt, _fixed_rows(lm.tokenizer, n=8),
+                           ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64),
+                           max_response_length=384)
+    assert dist["actor_metrics"]["actor/grad_norm"] == pytest.approx(single["actor/grad_norm"],
+                                                                     rel=1e-5)
+    for name, p in lm.model.named_parameters():
+        assert torch.allclose(dist["actor_params"][name], p, atol=1e-5), name
+    # The critic: values, loss, grad norm and parameters.
+    critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    rows = fixed_critic_rows(tok, n=8, branch_row=True)
+    values = critic.values(rows, list(range(len(rows))), DataParallel())
+    assert torch.allclose(dist["values"], values, atol=1e-5)
+    m = critic.update(rows)
+    assert dist["metrics"]["critic/vf_loss"] == pytest.approx(m["critic/vf_loss"], rel=1e-5)
+    assert dist["metrics"]["critic/grad_norm"] == pytest.approx(m["critic/grad_norm"], rel=1e-5)
+    for name, p in critic.model.named_parameters():
+        assert torch.allclose(dist["params"][name], p, atol=1e-5), name
+    # The round trip: the saved file holds the updated weights (tied ones once), the loaded
+    # critic equals the saved one, and its next update equals the original's bit for bit.
+    saved = load_file(str(tmp_path / "critic_part" / "model.safetensors"))
+    assert "backbone.lm_head.weight" not in saved  # tied to the embeddings
+    for name, t in dist["params"].items():
+        assert torch.equal(dist["loaded_params"][name], t), name
+        if name in saved:
+            assert torch.equal(saved[name], t), name
+    (m_a, p_a), (m_b, p_b) = dist["after"], dist["after_loaded"]
+    assert m_a == m_b
+    for name, t in p_a.items():
+        assert torch.equal(p_b[name], t), name
+    assert not torch.equal(p_a["value_head.weight"], dist["params"]["value_head.weight"])
+
+
+def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
+    """The trainer under FSDP with the critic: 2 steps + resume to 3 equals 3 straight (the
+    checkpoint holds gathered whole states of both; resume loads them into the shards)."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_trainer_rl import _accelerate_launch
+
+    def run(out, *extra):
+        r = _accelerate_launch(
+            "-m", "appo.cli", "train", "model.path=tiny-test",
+            f"data.train_files=[{toy['data']}]", "data.val_files=[]",
+            "data.train_batch_size=2", "data.max_response_length=16",
+            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+            "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.parallel=fsdp",
+            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run(tmp_path / "a", "trainer.total_steps=3")
+    run(tmp_path / "b", "trainer.total_steps=2")
+    resumed = run(tmp_path / "b", "trainer.total_steps=3", "trainer.resume=true")
+    assert [row["step"] for row in resumed] == [1, 2, 3]
+    for k in ["reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
+              "critic/grad_norm", "adv/values_mean"]:
+        assert straight[-1][k] == resumed[-1][k], (k, straight[-1][k], resumed[-1][k])
+    for f in ["model.safetensors", "critic/model.safetensors"]:
+        a, b = (load_file(str(tmp_path / d / "global_step_3" / f)) for d in "ab")
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), (f, name)

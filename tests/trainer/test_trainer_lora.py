@@ -72,23 +72,15 @@ def test_reward_rises_with_lora(toy):
 
 
 def test_lora_resume_equals_uninterrupted(toy, tmp_path):
-    common = ("rollout.strategy=arpo", "trainer.save_freq=2", *LORA)
-    full = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3",
-                                f"trainer.default_local_dir={tmp_path / 'a'}"),
-                     progress=False).fit()
-    RLTrainer(toy_config(toy, *common, "trainer.total_steps=2",
-                         f"trainer.default_local_dir={tmp_path / 'b'}"), progress=False).fit()
-    resumed = RLTrainer(toy_config(toy, *common, "trainer.total_steps=3", "trainer.resume=true",
-                                   f"trainer.default_local_dir={tmp_path / 'b'}"),
-                        progress=False)
-    assert resumed.step == 2
-    rest = resumed.fit()
-    keys = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/tokens_decoded"]
-    assert [h["step"] for h in rest] == [3]
-    for k in keys:
-        assert full[2][k] == rest[0][k], (k, full[2][k], rest[0][k])  # bit for bit on CPU
-    a = load_file(str(tmp_path / "a" / "global_step_3" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "b" / "global_step_3" / "adapter_model.safetensors"))
+    from resume_check import straight_and_resumed
+
+    runs = straight_and_resumed(toy, tmp_path, "rollout.strategy=arpo", "trainer.save_freq=2",
+                                *LORA)
+    assert [h["step"] for h in runs.rest] == [3]
+    runs.assert_same_metrics(["reward/mean", "actor/pg_loss", "actor/grad_norm",
+                              "rollout/tokens_decoded"])
+    a = load_file(str(runs.a / "global_step_3" / "adapter_model.safetensors"))
+    b = load_file(str(runs.b / "global_step_3" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -123,25 +123,15 @@ def test_reward_rises_on_learnable_behaviour(toy):
 
 
 def test_resume_equals_uninterrupted(toy, tmp_path):
-    common = ("rollout.strategy=arpo", "trainer.save_freq=2")
-    straight = toy_config(toy, *common, "trainer.total_steps=4",
-                          f"trainer.default_local_dir={tmp_path / 'a'}")
-    full = RLTrainer(straight, progress=False).fit()
-    part = toy_config(toy, *common, "trainer.total_steps=2",
-                      f"trainer.default_local_dir={tmp_path / 'b'}")
-    RLTrainer(part, progress=False).fit()
-    resumed_cfg = toy_config(toy, *common, "trainer.total_steps=4", "trainer.resume=true",
-                             f"trainer.default_local_dir={tmp_path / 'b'}")
-    resumed = RLTrainer(resumed_cfg, progress=False)
-    assert resumed.step == 2
-    rest = resumed.fit()
-    keys = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/tokens_decoded"]
-    for a, b in zip(full[2:], rest, strict=True):
-        assert a["step"] == b["step"]
-        for k in keys:
-            assert a[k] == b[k], (k, a[k], b[k])  # bit for bit on CPU
-    a_model = load_model(str(tmp_path / "a" / "global_step_4")).model
-    b_model = load_model(str(tmp_path / "b" / "global_step_4")).model
+    from resume_check import straight_and_resumed
+
+    runs = straight_and_resumed(toy, tmp_path, "rollout.strategy=arpo", "trainer.save_freq=2",
+                                steps=4, resume_at=2)
+    assert [h["step"] for h in runs.rest] == [3, 4]
+    runs.assert_same_metrics(["reward/mean", "actor/pg_loss", "actor/grad_norm",
+                              "rollout/tokens_decoded"])
+    a_model = load_model(str(runs.a / "global_step_4")).model
+    b_model = load_model(str(runs.b / "global_step_4")).model
     for pa, pb in zip(a_model.parameters(), b_model.parameters(), strict=True):
         assert torch.equal(pa, pb)
 

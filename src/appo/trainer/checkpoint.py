@@ -46,35 +46,88 @@ PART_STATE = "state.pt"
 
 
 @dataclass
+class PartStates:
+    """A trained part's whole states, ready to write (`TrainedPart.gather`)."""
+
+    model: dict[str, torch.Tensor]  # tied weights under one name only
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        path.mkdir()
+        save_file({k: v.contiguous() for k, v in self.model.items()}, str(path / PART_WEIGHTS),
+                  metadata={"format": "pt"})
+        torch.save({"optimizer": self.optimizer, "scheduler": self.scheduler}, path / PART_STATE)
+
+
+@dataclass
 class TrainedPart:
     """A module trained beside the policy (the critic), with its optimizer and scheduler;
-    saved in `global_step_N/<name>/` and restored on resume."""
+    saved in `global_step_N/<name>/` and restored on resume. `sharded`: the module is
+    sharded by FSDP; its whole states are gathered to save (the same files as unsharded,
+    except that the optimizer state is keyed by parameter name, as the policy's is) and
+    loaded into the shards."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any = None
+    sharded: bool = False
+
+    def gather(self) -> PartStates:
+        """The states to save; under FSDP a collective (every rank calls it) whose states are
+        on rank 0 only."""
+        if self.sharded:
+            from appo.trainer.fsdp import full_model_state, full_optimizer_state
+
+            model = full_model_state(self.module, rank0_cpu=True)
+            optimizer = full_optimizer_state(self.module, self.optimizer)
+        else:
+            model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        aliases = _tied_aliases(self.module)
+        return PartStates({k: v.detach() for k, v in model.items() if k not in aliases},
+                          optimizer, self.scheduler.state_dict() if self.scheduler else None)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_model
-
-        path.mkdir()
-        save_model(self.module, str(path / PART_WEIGHTS))  # tied weights stored once
-        torch.save({"optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict() if self.scheduler else None},
-                   path / PART_STATE)
+        self.gather().save(path)
 
     def load(self, path: Path, checkpoint: Path) -> None:
-        from safetensors.torch import load_model
+        from safetensors.torch import load_file
 
         if not (path / PART_WEIGHTS).is_file():
             raise AppoError(f"checkpoint {checkpoint} has no {path.name} (written by a run "
                             f"without one); resume it with the same algorithm settings")
-        missing, unexpected = load_model(self.module, str(path / PART_WEIGHTS), strict=False)
-        check_keys(path, list(missing), list(unexpected))
+        weights = load_file(str(path / PART_WEIGHTS))
+        for alias, name in _tied_aliases(self.module).items():  # stored under one name
+            if name in weights or alias in weights:
+                weights.setdefault(alias, weights.get(name))
+                weights.setdefault(name, weights[alias])
+        expected = set(self.module.state_dict())
+        check_keys(path, sorted(expected - set(weights)), sorted(set(weights) - expected))
         state = torch.load(path / PART_STATE, map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            from appo.trainer.fsdp import load_full_states
+
+            load_full_states(self.module, self.optimizer, weights, state["optimizer"])
+        else:
+            self.module.load_state_dict(weights)
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """`{alias: name}` for every parameter reachable under two names (tied embeddings):
+    `name` is the one `named_parameters` reports."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def rng_state() -> dict[str, Any]:
@@ -105,14 +158,15 @@ def save_checkpoint(
     scheduler=None,
     extra: dict[str, Any] | None = None,
     optimizer_state: dict[str, Any] | None = None,
-    parts: dict[str, TrainedPart] | None = None,
+    parts: dict[str, TrainedPart | PartStates] | None = None,
     lora: Any = None,
     merged: Any = None,
 ) -> Path:
     """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
-    passes the gathered whole-model state); `parts` go to their own subdirectories. `lora`
-    (an `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a
-    model also saved (with the tokenizer) to `merged/`."""
+    passes the gathered whole-model state); `parts` go to their own subdirectories (under
+    FSDP as `TrainedPart.gather` returned them on rank 0). `lora` (an
+    `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a model
+    also saved (with the tokenizer) to `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
     try:

@@ -7,7 +7,11 @@ gradient, before the actor update: `values`) and is trained on verl's clipped va
 (`update`), batched as the actor is (`appo.trainer.update`): mini-batches of whole prompt
 groups, micro-batches under a token budget with the shared-prefix forward, token-mean
 normalisers counted over the whole mini-batch and every rank, gradients summed over ranks.
-Deviation from verl: the critic is built only for `gae` and is not supported under FSDP yet.
+Under `trainer.parallel=fsdp` the critic is sharded as the policy is (`appo.trainer.fsdp`:
+one unit per decoder layer, the rest with the value head in the root unit; loss scaled by
+the world size; idle passes keep ranks in step; whole states gathered for checkpoints).
+`actor.tree_forward` (with `actor.share_prefix_forward`) gives the critic's forwards the
+tree-shared forward too. Deviation from verl: the critic is built only for `gae`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from appo.trainer.batch import TrainBatch
 from appo.trainer.checkpoint import TrainedPart
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
-from appo.trainer.fsdp import to_float
+from appo.trainer.fsdp import shard_model, to_float
 from appo.trainer.precision import autocast
 
 
@@ -51,31 +55,51 @@ class ValueModel(nn.Module):
         param = next(backbone.parameters())
         self.value_head = nn.Linear(hidden, 1, dtype=param.dtype, device=param.device)
 
-    def response_values(self, batch: TrainBatch, share_prefix: bool = True,
-                        compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, lengths: Tensor, prompt_lens: Tensor,
+                response_lens: Tensor, share_prefix: bool = True, tree: bool = False,
+                compute_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Values `[b, R]` of every response token's state (the position that predicts it)
-        and the response mask `[b, R]` (1 on real response tokens); 0 past each response."""
+        and the response mask `[b, R]` (1 on real response tokens); 0 past each response.
+        `input_ids` `[b, T]` right-padded rows of `lengths` `[b]`, whose first
+        `prompt_lens` `[b]` tokens are the prompt and the next `response_lens` `[b]` the
+        response. A module call (not a method), so FSDP's hooks gather the root's shards."""
         device = next(self.parameters()).device
         with autocast(device, compute_dtype):
-            hidden = final_hidden_states(self.backbone, batch.input_ids, batch.lengths,
-                                         share_prefix)
-            resp = batch.response_lens
-            j = torch.arange(int(resp.max()) if len(batch) else 0)[None, :]
-            valid = (j < resp[:, None]).to(torch.long)
-            pos = ((batch.prompt_lens[:, None] - 1 + j) * valid).to(device)
+            hidden = final_hidden_states(self.backbone, input_ids, lengths, share_prefix, tree)
+            j = torch.arange(int(response_lens.max()) if len(input_ids) else 0)[None, :]
+            valid = (j < response_lens[:, None]).to(torch.long)
+            pos = ((prompt_lens[:, None] - 1 + j) * valid).to(device)
             gathered = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
             values = self.value_head(gathered).squeeze(-1).float()
         valid = valid.to(device)
         return values * valid, valid
+
+    def response_values(self, batch: TrainBatch, share_prefix: bool = True,
+                        compute_dtype: torch.dtype | None = None,
+                        tree: bool = False) -> tuple[Tensor, Tensor]:
+        """`forward` on a `TrainBatch`: values `[b, R]` and the response mask `[b, R]`."""
+        return self(batch.input_ids, batch.lengths, batch.prompt_lens, batch.response_lens,
+                    share_prefix, tree, compute_dtype)
+
+    def idle_pass(self, backward: bool) -> None:
+        """A one-token forward (and backward) that contributes nothing, to keep FSDP ranks'
+        collectives in step (`appo.trainer.fsdp.idle_step` for the policy)."""
+        one = torch.ones(1, dtype=torch.long)
+        values, _ = self(torch.zeros((1, 1), dtype=torch.long), one, one, one, False)
+        if backward:
+            (values.sum() * 0.0).backward()
 
 
 class Critic:
     """The value model, its AdamW optimizer and LR schedule, and its update schedule."""
 
     def __init__(self, model: ValueModel, cfg: Any, total_steps: int,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, fsdp: bool = False):
+        """`fsdp`: `model` is sharded (`from_config`); the optimizer is built here, on
+        its (sharded) parameters."""
         c, a = cfg.critic, cfg.actor
         self.model = model
+        self.fsdp = fsdp
         self.cliprange_value = float(c.cliprange_value)
         self.grad_clip = float(c.grad_clip)
         self.epochs = c.ppo_epochs if c.ppo_epochs is not None else a.ppo_epochs
@@ -84,7 +108,10 @@ class Critic:
         self.max_tokens = (c.ppo_max_token_len_per_device
                            if c.ppo_max_token_len_per_device is not None
                            else a.ppo_max_token_len_per_device)
-        self.share_prefix = bool(a.share_prefix_forward)
+        # As the actor's (`update_policy`): under FSDP the number of model calls must not
+        # depend on the rows, so the shared-prefix and tree forwards are off.
+        self.share_prefix = bool(a.share_prefix_forward) and not fsdp
+        self.tree = self.share_prefix and bool(a.tree_forward)
         self.gamma, self.lam = float(cfg.algorithm.gamma), float(cfg.algorithm.lam)
         self.compute_dtype = compute_dtype
         o = c.optim
@@ -98,10 +125,9 @@ class Critic:
     def from_config(cls, cfg: Any, policy_lm: Any, total_steps: int, fsdp: bool = False,
                     compute_dtype: torch.dtype | None = None) -> Critic:
         """`critic.model.path`'s backbone (null: a copy of the policy model as it is now, before
-        any update: `model.path`'s weights) with a fresh value head."""
-        if fsdp:
-            raise AppoError("algorithm.adv_estimator=gae: the critic does not run under "
-                            "trainer.parallel=fsdp yet; use trainer.parallel=ddp")
+        any update: `model.path`'s weights) with a fresh value head. `fsdp`: the critic is
+        sharded over the process group as the policy is; `policy_lm.model` must then be
+        the policy's whole (unsharded) replica."""
         if cfg.critic.model.path is None:
             backbone = copy.deepcopy(policy_lm.model)
         else:
@@ -120,11 +146,14 @@ class Critic:
             if cfg.model.enable_gradient_checkpointing:  # the copy above inherits it
                 backbone.gradient_checkpointing_enable()
         backbone.requires_grad_(True)  # actor.freeze_embeddings is the policy's
-        return cls(ValueModel(backbone), cfg, total_steps, compute_dtype)
+        model = ValueModel(backbone)
+        if fsdp:
+            shard_model(model, DataParallel().world, decoder=backbone)
+        return cls(model, cfg, total_steps, compute_dtype, fsdp)
 
     def part(self) -> TrainedPart:
         """What a checkpoint saves and a resume restores (`appo.trainer.checkpoint`)."""
-        return TrainedPart(self.model, self.optimizer, self.scheduler)
+        return TrainedPart(self.model, self.optimizer, self.scheduler, sharded=self.fsdp)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, own: list[int], dp: DataParallel) -> Tensor:
@@ -132,14 +161,18 @@ class Critic:
         its `own` rows, then all ranks exchange them."""
         mine = batch.select(own)
         plan = plan_shared_microbatches(mine.input_ids, mine.lengths, self.max_tokens,
-                                        mine.uids, self.share_prefix)
+                                        mine.uids, self.share_prefix, self.tree)
+        idle = self._idle_passes(len(plan.batches), dp)  # before any pass (see update)
         self.model.eval()
         rows: list[tuple[str, list[float]]] = []
         for idx in plan.batches:
             mb = mine.select(idx)
-            values, _ = self.model.response_values(mb, self.share_prefix, self.compute_dtype)
+            values, _ = self.model.response_values(mb, self.share_prefix, self.compute_dtype,
+                                                   self.tree)
             for k, i in enumerate(idx):
                 rows.append((mine.traj_ids[i], values[k, : int(mb.response_lens[k])].tolist()))
+        for _ in range(idle):
+            self.model.idle_pass(backward=False)
         by_id = dict(dp.gather_objects(rows))
         out = torch.zeros_like(batch.loss_mask)
         for i, tid in enumerate(batch.traj_ids):
@@ -170,11 +203,17 @@ class Critic:
                 n_tok = dp.sum_floats([float(mini.loss_mask.sum())])[0]
                 agg = LossAgg("token-mean", max(n_tok, 1.0), 1.0)
                 plan = plan_shared_microbatches(mini.input_ids, mini.lengths, self.max_tokens,
-                                                mini.uids, self.share_prefix)
+                                                mini.uids, self.share_prefix, self.tree)
+                # Decided before any pass runs, or FSDP's collectives would interleave.
+                idle = self._idle_passes(len(plan.batches), dp)
                 self.optimizer.zero_grad(set_to_none=True)
                 for idx in plan.batches:
-                    sums.update(self._micro_step(mini.select(idx), agg))
-                dp.average_gradients(self.params)
+                    sums.update(self._micro_step(mini.select(idx), agg,
+                                                 float(dp.world) if self.fsdp else 1.0))
+                for _ in range(idle):
+                    self.model.idle_pass(backward=True)
+                if not self.fsdp:  # FSDP reduces the gradients itself
+                    dp.average_gradients(self.params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
                 self.optimizer.step()
                 self.scheduler.step()
@@ -192,13 +231,20 @@ class Critic:
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
-    def _micro_step(self, mb: TrainBatch, agg: LossAgg) -> dict[str, float]:
-        vpreds, valid = self.model.response_values(mb, self.share_prefix, self.compute_dtype)
+    def _idle_passes(self, passes: int, dp: DataParallel) -> int:
+        """Passes this rank runs idle: under FSDP every rank runs as many as the busiest."""
+        return dp.max_int(passes) - passes if self.fsdp else 0
+
+    def _micro_step(self, mb: TrainBatch, agg: LossAgg, loss_scale: float) -> dict[str, float]:
+        """`loss_scale`: the world size under FSDP, which averages gradients over ranks where
+        the sum is wanted (`appo.trainer.fsdp`)."""
+        vpreds, valid = self.model.response_values(mb, self.share_prefix, self.compute_dtype,
+                                                   self.tree)
         device = vpreds.device
         loss, m = clipped_value_loss(vpreds, mb.values.to(device), mb.returns.to(device),
                                      mb.loss_mask.to(device) * valid, agg=agg,
                                      cliprange_value=self.cliprange_value)
-        loss.backward()
+        (loss * loss_scale).backward()
         return {"critic/vf_loss": float(loss.detach()),
                 **{f"critic/{k}": v for k, v in m.items()}}
 

@@ -55,23 +55,29 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_model(model, world: int) -> None:
-    """Shard `model` in place over `world` ranks: one unit per decoder layer, plus the root."""
+def shard_model(model, world: int, decoder=None) -> None:
+    """Shard `model` in place over `world` ranks: one unit per decoder layer, plus the root.
+    `decoder`: the causal LM inside `model` whose layers are the units (the critic's
+    backbone: its root unit then holds the rest of the backbone and the value head, and the
+    critic's forwards are calls of that root, so its hooks gather the shards); default
+    `model` itself."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world,))
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model if decoder is None else decoder):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
-def full_model_state(model) -> dict[str, torch.Tensor]:
-    """Whole (unsharded) weights on every rank (a collective: all ranks must call it)."""
+def full_model_state(model, rank0_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) weights on every rank (a collective: all ranks must call it);
+    `rank0_cpu`: on CPU and on rank 0 only (the others get an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=rank0_cpu))
 
 
 def full_optimizer_state(model, optimizer) -> dict[str, Any]:

@@ -290,6 +290,7 @@ class RLTrainer:
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
             self.sync_rollout_weights()
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
         if not self.dp.is_main:
             return None
         merged = None
@@ -298,7 +299,7 @@ class RLTrainer:
             merged = self.rollout_model
         return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
                                self.optimizer, self.scheduler, extra=extra,
-                               optimizer_state=optimizer_state, parts=self._parts(), lora=self.lora,
+                               optimizer_state=optimizer_state, parts=parts, lora=self.lora,
                                merged=merged)
 
     def _parts(self) -> dict:
@@ -420,8 +421,10 @@ class RLTrainer:
             lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
         )
         self.scheduler = self._make_scheduler()
-        # PPO's value model, from the policy's starting weights or critic.model.path.
-        self.critic = (Critic.from_config(cfg, self.lm, self.total_steps, self.fsdp,
+        # PPO's value model, from the policy's starting weights (under FSDP: its whole
+        # replica) or critic.model.path.
+        policy = dataclasses.replace(self.lm, model=self.rollout_model) if self.fsdp else self.lm
+        self.critic = (Critic.from_config(cfg, policy, self.total_steps, self.fsdp,
                                           self.compute_dtype) if uses_critic(cfg) else None)
         self.step = 0
         if cfg.trainer.resume:
