@@ -85,8 +85,10 @@ def full_optimizer_state(model, optimizer) -> dict[str, Any]:
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-    """Load whole-model states (as saved by any layout) into the sharded model/optimizer."""
+def load_full_states(model, optimizer, model_state: dict | None,
+                     optimizer_state: dict | None) -> None:
+    """Load whole-model states (as saved by any layout) into the sharded model/optimizer;
+    None: leave that one as it is (a LoRA adapter is loaded by `appo.models.lora`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -94,7 +96,8 @@ def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict 
     )
 
     opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=opts)
+    if model_state is not None:
+        set_model_state_dict(model, model_state, options=opts)
     if optimizer_state is not None:
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=opts)
 
