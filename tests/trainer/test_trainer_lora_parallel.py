@@ -1,7 +1,8 @@
 """LoRA (`model.lora_rank` > 0) on 2 processes (gloo, CPU): one update under DDP and under
 FSDP equals the single-process update (the adapter; the base weights stay as loaded), the
-merged rollout model every rank builds after it is the single-process one, and a whole
-`appo train` run with checkpoints and resume completes under each layout."""
+merged rollout model every rank builds after it is the single-process one, and an
+`appo train` run with a KL term (adapter-off reference) and checkpoints, resumed, equals an
+uninterrupted one under each layout."""
 
 from __future__ import annotations
 
@@ -100,38 +101,54 @@ def test_two_process_lora_update_matches_single_process(tmp_path, mode):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_process_lora_training_run_and_resume(tmp_path, parallel):
+def test_two_process_lora_run_resume_equals_uninterrupted(tmp_path, parallel):
+    """`appo train` on 2 processes with a KL term (its reference: the adapter switched off
+    on the sharded or replicated model): 2 steps with checkpoints (rank 0 writes the
+    gathered adapter and the merged model), resumed to 3, equals 3 uninterrupted steps."""
+    from peft import PeftModel
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     toy = make_toy(tmp_path)
-    run = tmp_path / "run"
-    args = ["-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
-            "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
-            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
-            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
-            "actor.optim.lr=1e-2", f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
-            f"trainer.parallel={parallel}", "trainer.save_freq=2", "model.lora_save_merged=true",
-            *LORA]
-    r = _launch(*args, "trainer.total_steps=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def args(run: Path) -> list[str]:
+        return ["-m", "appo.cli", "train", "model.path=tiny-test",
+                f"data.train_files=[{toy['data']}]", "data.val_files=[]",
+                "data.train_batch_size=2", "data.max_response_length=16",
+                f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+                "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+                "actor.optim.lr=1e-2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+                f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
+                f"trainer.parallel={parallel}", "trainer.save_freq=2",
+                "model.lora_save_merged=true", *LORA]
+
+    def metrics(run: Path) -> list[dict]:
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run, extra in ((a, "trainer.total_steps=3"), (b, "trainer.total_steps=2")):
+        r = _launch(*args(run), extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(b)
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["rollout/trajectories"] == 8 for row in rows)  # gathered from both ranks
-    ckpt = run / "global_step_2"
+    assert rows[1]["actor/kl"] > 0  # the adapted policy left the reference after step 1
+    ckpt = b / "global_step_2"
     adapter = load_file(str(ckpt / "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # trained
-    # The merged directory is the adapted model: base + the saved adapter, merged by PEFT.
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+    # The merged directory is the adapted model: the base + the saved adapter, by PEFT.
     merged = AutoModelForCausalLM.from_pretrained(ckpt / "merged")
     peft = PeftModel.from_pretrained(load_model("tiny-test").model, str(ckpt))
     ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, peft(input_ids=ids).logits, atol=1e-5)
-    r = _launch(*args, "trainer.total_steps=3", "trainer.resume=true")
+    r = _launch(*args(b), "trainer.total_steps=3", "trainer.resume=true")
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    assert (run / "global_step_3" / "adapter_model.safetensors").is_file()
+    assert [row["step"] for row in metrics(b)] == [1, 2, 3]
+    for k in ["reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl",
+              "rollout/tokens_decoded"]:
+        assert metrics(a)[2][k] == metrics(b)[2][k], k  # bit for bit on CPU
+    sa = load_file(str(a / "global_step_3" / "adapter_model.safetensors"))
+    sb = load_file(str(b / "global_step_3" / "adapter_model.safetensors"))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

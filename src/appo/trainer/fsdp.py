@@ -19,6 +19,11 @@ How the trainer differs under FSDP (and why):
   (one or two model calls depending on the rows) is off.
 - Checkpoints gather full model and optimizer states to rank 0, so an FSDP checkpoint is
   the same Hugging Face directory as any other, and resuming loads it on any layout.
+- LoRA (`appo.models.lora`): PEFT's layers sit inside the decoder layers, so each unit
+  holds its frozen base weights and its adapter (FSDP2 shards parameters one by one, mixed
+  `requires_grad` within a unit is fine; only the adapter has gradients and optimizer
+  states). The merged rollout copy is built whole before sharding and merged unit by unit
+  (`unshard`, merge, `reshard`); checkpoints gather only the adapter and its states.
 """
 
 from __future__ import annotations
