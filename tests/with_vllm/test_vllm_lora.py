@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_vllm_train import LOGP_TOL, rollout_errors, train
+from vllm_train_run import LOGP_TOL, rollout_errors, train
 
 pytestmark = pytest.mark.vllm
 

@@ -8,51 +8,11 @@ checkpoint, and not of the base model.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+from vllm_train_run import LOGP_TOL, rollout_errors, train
 
 pytestmark = pytest.mark.vllm
-LOGP_TOL = 5e-4  # derived in test_vllm_engine.py
-
-
-def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = [
-        "model.path=smollm2-135m", "rollout.name=vllm", "rollout.kv_cache_gib=1",
-        "rollout.strategy=arpo", "rollout.n=4", "rollout.initial_rollouts=2",
-        "data.template=math", "tools.enabled=[python]",
-        "data.train_files=['synth:arith?split=train&levels=1&n=16']",
-        "data.train_batch_size=2", "data.max_response_length=96",
-        # The base model rarely earns a reward here, so group advantages may all be 0; the
-        # entropy bonus keeps every update non-zero (Adam then moves each weight ~lr).
-        "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1",
-        f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'rollouts'}",
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    return subprocess.run([sys.executable, "-m", "appo.cli", "train", *args],
-                          capture_output=True, text=True, env=env, timeout=1200)
-
-
-def rollout_errors(model_dir, dump: Path) -> list[float]:
-    from appo.models import load_model
-
-    model = load_model(str(model_dir), device="cpu").model
-    errors = []
-    for line in dump.read_text().splitlines():
-        t = json.loads(line)
-        ids = t["prompt_ids"] + t["response_ids"]
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-        p = len(t["prompt_ids"])
-        for k, m in enumerate(t["loss_mask"]):
-            if m:
-                errors.append(abs(float(ref[p + k - 1, ids[p + k]]) - t["logp_rollout"][k]))
-    return errors
 
 
 def test_train_three_steps_then_resume(tmp_path):

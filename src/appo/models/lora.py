@@ -25,6 +25,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from appo.errors import AppoError
 
 ADAPTER = "default"  # PEFT's adapter name; appo trains one adapter
 
-__all__ = ["LoraPolicy", "apply_lora", "lora_enabled"]
+__all__ = ["AdapterSnapshot", "LoraPolicy", "apply_lora", "lora_enabled"]
 
 
 def lora_enabled(model_cfg: Any) -> bool:
@@ -108,27 +109,69 @@ class LoraPolicy:
     @torch.no_grad()
     def merge(self) -> float:
         """Refresh the merged model from the current adapter (`W + delta` per adapted layer);
-        returns the seconds it took (also kept as `merge_seconds`)."""
+        returns the seconds it took (also kept as `merge_seconds`). Under FSDP a collective
+        (every rank calls it): each FSDP unit holding adapted layers is gathered whole for
+        its layers' merge, then sharded again (`_fsdp_units`)."""
         if self._rollout is None:
             return 0.0  # nothing merged yet: `rollout_model()` builds and merges
         t0 = time.perf_counter()
-        for name, layer in self.layers.items():
-            base = layer.get_base_layer().weight
-            out = self._rollout.get_submodule(name).weight
-            out.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
+        for unit, names in self._fsdp_units():
+            if unit is not None:
+                unit.unshard()  # whole W, A and B of this unit's layers, on every rank
+            for name in names:
+                layer = self.layers[name]
+                base = layer.get_base_layer().weight
+                out = self._rollout.get_submodule(name).weight
+                out.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
+            if unit is not None:
+                unit.reshard()
         self.merge_seconds = time.perf_counter() - t0
         return self.merge_seconds
 
+    def _fsdp_units(self) -> list[tuple[Any, list[str]]]:
+        """The adapted layers grouped by the FSDP unit (`fully_shard`ed module) that holds
+        their parameters, in module order (the same on every rank); one group with unit
+        None when the model is not sharded."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
+        if not units:
+            return [(None, list(self.layers))]
+        groups: dict[str, list[str]] = {}
+        for name in self.layers:  # the innermost unit around a layer holds its parameters
+            owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+            groups.setdefault(owner, []).append(name)
+        return [(self.model.get_submodule(u), names) for u, names in groups.items()]
+
     # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> AdapterSnapshot:
+        """The adapter as it is now, whole tensors, to save. Under FSDP a collective (every
+        rank calls it; then rank 0 saves): the sharded adapter parameters are gathered."""
+        whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                 for k, v in self.peft.state_dict().items() if "lora_" in k}
+        return AdapterSnapshot(self.peft, whole)
+
     def adapter_state(self) -> dict[str, torch.Tensor]:
+        """PEFT's adapter state dict (the keys of `adapter_model.safetensors`), whole tensors;
+        under FSDP a collective, as `snapshot`."""
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.peft)
+        # save_embedding_layers=False: as in `AdapterSnapshot.save` (no Hub look-up)
+        return get_peft_model_state_dict(self.peft, state_dict=self.snapshot().state,
+                                         save_embedding_layers=False)
 
     def load_adapter_state(self, state: dict[str, torch.Tensor], source: Any) -> None:
-        """Load a PEFT adapter state dict (`adapter_model.safetensors`) saved by `save`."""
+        """Load a PEFT adapter state dict (`adapter_model.safetensors`) saved by `save`.
+        Under FSDP a collective; every rank passes the whole state (each keeps its shard)."""
         from peft import set_peft_model_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
+        sharded = {n.replace(f".{ADAPTER}.", "."): p for n, p in self.peft.named_parameters()
+                   if isinstance(p, DTensor)}  # by their key in PEFT's file
+        if sharded:  # copy this rank's shard of each tensor (no communication)
+            state = {k: (distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements,
+                                           src_data_rank=None) if k in sharded else v)
+                     for k, v in state.items()}
         result = set_peft_model_state_dict(self.peft, state)
         expected = set(self.adapter_state())
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
@@ -138,11 +181,25 @@ class LoraPolicy:
                             f"{missing[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
 
     def save(self, path: str | Path) -> None:
+        """`adapter_model.safetensors` + `adapter_config.json` (PEFT's format). Under FSDP
+        every rank takes `snapshot()` and rank 0 saves that instead."""
+        self.snapshot().save(path)
+
+
+@dataclass
+class AdapterSnapshot:
+    """A LoRA adapter's whole tensors at one moment (`LoraPolicy.snapshot`), which one rank
+    can save alone."""
+
+    peft: Any  # the PeftModel (its adapter config)
+    state: dict[str, torch.Tensor]  # the PeftModel's state-dict keys, adapter entries only
+
+    def save(self, path: str | Path) -> None:
         """`adapter_model.safetensors` + `adapter_config.json` (PEFT's format)."""
         # save_embedding_layers="auto" would look the base up on the Hub (network); the base
         # embeddings never change here (frozen, never resized), so there is nothing to add.
         self.peft.save_pretrained(str(path), safe_serialization=True,
-                                  save_embedding_layers=False)
+                                  save_embedding_layers=False, state_dict=self.state)
 
 
 def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:

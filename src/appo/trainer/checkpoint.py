@@ -165,8 +165,9 @@ def save_checkpoint(
     """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
     passes the gathered whole-model state); `parts` go to their own subdirectories (under
     FSDP as `TrainedPart.gather` returned them on rank 0). `lora` (an
-    `appo.models.lora.LoraPolicy`): save its adapter instead of `model`; `merged`: a model
-    also saved (with the tokenizer) to `merged/`."""
+    `appo.models.lora.LoraPolicy`, or under FSDP the `AdapterSnapshot` every rank gathered):
+    save its adapter instead of `model`; `merged`: a model also saved (with the tokenizer) to
+    `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
     try:
@@ -353,7 +354,10 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
                         f"{'> 0 as it was trained' if saved_lora else '= 0'}")
     if lora is not None:
         lora.load_adapter_state(state, path)
-        optimizer.load_state_dict(trainer_state["optimizer"])
+        if fsdp:  # the gathered state of the adapter's parameters, into their shards
+            load_full_states(model, optimizer, None, trainer_state["optimizer"])
+        else:
+            optimizer.load_state_dict(trainer_state["optimizer"])
     elif fsdp:
         check_keys(path, *rollout_model.load_state_dict(state, strict=False))
         load_full_states(model, optimizer, rollout_model.state_dict(), trainer_state["optimizer"])

@@ -19,6 +19,11 @@ How the trainer differs under FSDP (and why):
   (one or two model calls depending on the rows) is off.
 - Checkpoints gather full model and optimizer states to rank 0, so an FSDP checkpoint is
   the same Hugging Face directory as any other, and resuming loads it on any layout.
+- LoRA (`appo.models.lora`): PEFT's layers sit inside the decoder layers, so each unit
+  holds its frozen base weights and its adapter (FSDP2 shards parameters one by one, mixed
+  `requires_grad` within a unit is fine; only the adapter has gradients and optimizer
+  states). The merged rollout copy is built whole before sharding and merged unit by unit
+  (`unshard`, merge, `reshard`); checkpoints gather only the adapter and its states.
 """
 
 from __future__ import annotations
@@ -91,8 +96,10 @@ def full_optimizer_state(model, optimizer) -> dict[str, Any]:
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict | None) -> None:
-    """Load whole-model states (as saved by any layout) into the sharded model/optimizer."""
+def load_full_states(model, optimizer, model_state: dict | None,
+                     optimizer_state: dict | None) -> None:
+    """Load whole-model states (as saved by any layout) into the sharded model/optimizer;
+    None: leave that one as it is (a LoRA adapter is loaded by `appo.models.lora`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -100,7 +107,8 @@ def load_full_states(model, optimizer, model_state: dict, optimizer_state: dict 
     )
 
     opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=opts)
+    if model_state is not None:
+        set_model_state_dict(model, model_state, options=opts)
     if optimizer_state is not None:
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=opts)
 

@@ -265,7 +265,7 @@ class RLTrainer:
             return
         if self.lora is not None:
             self.lora.merge()
-        if self.fsdp:
+        if self.fsdp and self.lora is None:
             from appo.trainer.checkpoint import check_keys
 
             check_keys("(fsdp shards)", *self.rollout_model.load_state_dict(
@@ -286,10 +286,11 @@ class RLTrainer:
         from appo.trainer.checkpoint import save_checkpoint
 
         extra = {"config": to_container(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
-        optimizer_state = None
+        optimizer_state, lora = None, self.lora
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
             self.sync_rollout_weights()
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
+            lora = self.lora.snapshot() if self.lora is not None else None
         parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
         if not self.dp.is_main:
             return None
@@ -299,7 +300,7 @@ class RLTrainer:
             merged = self.rollout_model
         return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
                                self.optimizer, self.scheduler, extra=extra,
-                               optimizer_state=optimizer_state, parts=parts, lora=self.lora,
+                               optimizer_state=optimizer_state, parts=parts, lora=lora,
                                merged=merged)
 
     def _parts(self) -> dict:
@@ -369,13 +370,11 @@ class RLTrainer:
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model
         self._rollout_stale = False
-        if self.lora is not None:
-            if self.fsdp:
-                raise AppoError("model.lora_rank > 0 is not supported with "
-                                "trainer.parallel=fsdp yet; use ddp (the default)")
+        if self.lora is not None:  # under FSDP built whole before sharding, merged per unit
             self.rollout_model = self.lora.rollout_model()
-        if self.fsdp:
+        elif self.fsdp:
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self.fsdp:
             shard_model(self.model, self.dp.world)
         check_call_format(cfg, self.tokenizer, announce=self.dp.is_main)
         self.tools = build_tools(cfg.tools)

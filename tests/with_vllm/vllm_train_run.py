@@ -1,0 +1,55 @@
+"""What the `appo train rollout.name=vllm` tests share (test_vllm_train, test_vllm_lora): the
+run's config on SmolLM2, one subprocess per run, and the check that a dump's recorded
+log-probs come from a given model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+LOGP_TOL = 5e-4  # derived in test_vllm_engine.py's docstring
+
+TRAIN_ARGS = (
+    "model.path=smollm2-135m", "rollout.name=vllm", "rollout.kv_cache_gib=1",
+    "rollout.strategy=arpo", "rollout.n=4", "rollout.initial_rollouts=2",
+    "data.template=math", "tools.enabled=[python]",
+    "data.train_files=['synth:arith?split=train&levels=1&n=16']",
+    "data.train_batch_size=2", "data.max_response_length=96",
+    # The base model rarely earns a reward here, so group advantages may all be 0; the
+    # entropy bonus keeps every update non-zero (Adam then moves each weight ~lr).
+    "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1",
+)
+
+
+def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`appo train` with `TRAIN_ARGS`, checkpoints in `out` and rollout dumps in
+    `out/rollouts`; `extra` overrides come last (later keys win)."""
+    args = [*TRAIN_ARGS, f"trainer.default_local_dir={out}",
+            f"trainer.rollout_data_dir={out / 'rollouts'}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run([sys.executable, "-m", "appo.cli", "train", *args],
+                          capture_output=True, text=True, env=env, timeout=1200)
+
+
+def rollout_errors(model_dir, dump: Path) -> list[float]:
+    """|recorded log-prob - an HF forward's| of every trained token in a rollout dump."""
+    from appo.models import load_model
+
+    model = load_model(str(model_dir), device="cpu").model
+    errors = []
+    for line in dump.read_text().splitlines():
+        t = json.loads(line)
+        ids = t["prompt_ids"] + t["response_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        p = len(t["prompt_ids"])
+        for k, m in enumerate(t["loss_mask"]):
+            if m:
+                errors.append(abs(float(ref[p + k - 1, ids[p + k]]) - t["logp_rollout"][k]))
+    return errors
