@@ -187,3 +187,30 @@ def test_keep_checkpoints(tmp_path, keep):
 def test_keep_checkpoints_refuses_other_values(tmp_path):
     with pytest.raises(AppoError, match="keep_checkpoints must be one of all, last, got 'none'"):
         load_spec(write_spec(tmp_path, extra={"keep_checkpoints": "none"}))
+
+
+def test_eval_start_evaluates_the_starting_checkpoint(tmp_path):
+    # eval.start adds the row `start`: the base model evaluated per seed without training
+    # (no step, no checkpoint), first in every seed; the report shows it beside the variants.
+    # Under greedy decoding the untrained model answers the same whatever the seed.
+    spec = load_spec(write_spec(tmp_path, extra={"eval": {
+        "sets": {"toy": f"{tmp_path / 'toy.jsonl'}?n=3"}, "k": 2, "temperature": 1.0,
+        "start": True}}))
+    assert spec.pairs()[:3] == [("start", 1), ("grpo", 1), ("arpo", 1)]
+    for seed in (1, 2):
+        run_pair(spec, "start", seed, progress=False)
+    results = [json.loads((spec.run_dir("start", s) / RESULT_FILE).read_text()) for s in (1, 2)]
+    assert [r["steps"] for r in results] == [0, 0]
+    assert results[0]["sets"]["toy"]["greedy"] == results[1]["sets"]["toy"]["greedy"]
+    assert not list(spec.run_dir("start", 1).glob("global_step_*"))
+    assert pair_state(spec, "start", 1) == "done" and pair_state(spec, "grpo", 1) == "missing"
+    text = write_report(spec, resamples=50).read_text()
+    assert "| start | - | - | - | - | the starting checkpoint, not trained |" in text
+    assert "| start | 2 | 3 |" in text and "| start - grpo | 0 | - | - |" in text
+
+
+def test_eval_start_refuses_a_variant_named_start(tmp_path):
+    path = write_spec(tmp_path, variants={"start": ["rollout.strategy=grpo"]}, extra={"eval": {
+        "sets": {"toy": f"{tmp_path / 'toy.jsonl'}?n=3"}, "start": True}})
+    with pytest.raises(AppoError, match="a variant is named 'start'"):
+        load_spec(path)

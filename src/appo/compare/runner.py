@@ -85,7 +85,8 @@ def load_result(spec: CompareSpec, variant: str, seed: int) -> PairResult | None
 
 
 def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) -> PairResult:
-    """Train (or resume) one pair and evaluate it; writes `result.json` last."""
+    """Train (or resume) one pair and evaluate it; writes `result.json` last. The `start`
+    row (eval.start) is evaluated as loaded."""
     from appo.trainer.loop import RLTrainer
 
     resume = pair_state(spec, variant, seed) == "partial"
@@ -94,7 +95,8 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
         cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
     trainer = RLTrainer(cfg, progress=progress)
     try:
-        trainer.fit(close=False)
+        if spec.variant(variant).train:
+            trainer.fit(close=False)
         result = evaluate_pair(spec, trainer, variant, seed)
     finally:
         trainer.tools.close()

@@ -16,6 +16,7 @@ eval:
   sets: {level3: "synth:arith?split=eval&levels=3&n=100"}   # or a list of files
   k: 4                               # sampled pass@k: k samples per question
   temperature: 0.6
+  start: true                        # also evaluate the starting checkpoint (row `start`)
 keep_checkpoints: all                # or `last`: once a pair is evaluated, delete all its
                                      # checkpoints but the newest (disk: ~1.3 GB each at 135M)
 ```
@@ -45,6 +46,9 @@ BUDGET_KEYS = ("data.train_batch_size", "rollout.n", "trainer.total_steps",
 MANAGED_KEYS = ("trainer.seed", "data.seed", "trainer.default_local_dir", "trainer.resume",
                 "trainer.overwrite")
 KEEP_CHECKPOINTS = ("all", "last")
+# eval.start: the base config's model, evaluated per seed without training or variant
+# overrides, so the report shows what training added to it.
+START = "start"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -53,6 +57,7 @@ class Variant:
     name: str
     overrides: list[str]
     allow_budget_difference: bool = False
+    train: bool = True  # False: `START`, evaluated without training
 
 
 @dataclass
@@ -65,6 +70,7 @@ class EvalSpec:
     top_p: float = 0.95
     top_k: int = -1
     max_response_length: int | None = None  # None: the run's data.max_response_length
+    start: bool = False  # also evaluate the starting checkpoint as the row `START`
 
 
 @dataclass
@@ -142,7 +148,8 @@ def _eval(value: Any) -> EvalSpec:
             isinstance(k, str) and isinstance(v, str) for k, v in sets.items()):
         raise AppoError("eval.sets must be a non-empty list of data files or a mapping "
                         "name -> data file")
-    unknown = set(value) - {"sets", "k", "temperature", "top_p", "top_k", "max_response_length"}
+    unknown = set(value) - {"sets", "k", "temperature", "top_p", "top_k", "max_response_length",
+                            "start"}
     if unknown:
         raise AppoError(f"eval: unknown key {sorted(unknown)[0]!r}")
     try:
@@ -154,6 +161,10 @@ def _eval(value: Any) -> EvalSpec:
                                              else int(value["max_response_length"])))
     except (TypeError, ValueError) as e:
         raise AppoError(f"eval: {e}") from None
+    start = value.get("start", False)
+    if not isinstance(start, bool):
+        raise AppoError("eval.start must be true or false")
+    spec.start = start
     if spec.k < 1 or spec.temperature <= 0:
         raise AppoError(f"eval.k must be >= 1 and eval.temperature > 0 (sampled pass@k), got "
                         f"k={spec.k}, temperature={spec.temperature}")
@@ -186,6 +197,12 @@ def parse_spec(data: Any, path: Path) -> CompareSpec:
     variants = [_variant(k, v) for k, v in variants_raw.items()]
     for v in variants:
         _check_managed(v.overrides, f"variants.{v.name}")
+    eval_spec = _eval(data.get("eval"))
+    if eval_spec.start:
+        if any(v.name == START for v in variants):
+            raise AppoError(f"{path}: a variant is named {START!r}, which eval.start uses for "
+                            "the starting checkpoint; rename the variant")
+        variants.insert(0, Variant(START, [], allow_budget_difference=True, train=False))
     seeds = data.get("seeds", [1])
     if (not isinstance(seeds, list) or not seeds
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
@@ -194,7 +211,7 @@ def parse_spec(data: Any, path: Path) -> CompareSpec:
     output_dir = data.get("output_dir") or f"runs/compare/{path.stem}"
     spec = CompareSpec(path=path, output_dir=Path(str(output_dir)), base_config=base_config,
                        base_overrides=base_overrides, variants=variants, seeds=list(seeds),
-                       eval=_eval(data.get("eval")), keep_checkpoints=keep)
+                       eval=eval_spec, keep_checkpoints=keep)
     spec.budgets = check_budget(spec)
     return spec
 
