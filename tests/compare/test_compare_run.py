@@ -13,6 +13,7 @@ from appo.compare import runner
 from appo.compare.report import write_report
 from appo.compare.runner import RESULT_FILE, pair_state, run_comparison, run_pair
 from appo.compare.spec import load_spec
+from appo.errors import AppoError
 from cli_runner import run_cli
 
 REWARD_FILE = '''
@@ -23,7 +24,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def write_spec(tmp_path: Path, variants: dict | None = None, seeds=(1, 2)) -> Path:
+def write_spec(tmp_path: Path, variants: dict | None = None, seeds=(1, 2),
+               extra: dict | None = None, base_extra: tuple[str, ...] = ()) -> Path:
     data = tmp_path / "toy.jsonl"
     with data.open("w") as f:
         for i in range(8):
@@ -38,11 +40,12 @@ def write_spec(tmp_path: Path, variants: dict | None = None, seeds=(1, 2)) -> Pa
             "data.train_batch_size=2", "data.max_response_length=8",
             f"custom_reward_function.path={tmp_path / 'reward.py'}", "rollout.n=2",
             "rollout.initial_rollouts=1", "actor.ppo_mini_batch_size=2",
-            "trainer.total_steps=1", "trainer.logger=[jsonl]"]},
+            "trainer.total_steps=1", "trainer.logger=[jsonl]", *base_extra]},
         "variants": variants or {"grpo": ["rollout.strategy=grpo"],
                                  "arpo": ["rollout.strategy=arpo"]},
         "seeds": list(seeds),
         "eval": {"sets": {"toy": f"{data}?n=3"}, "k": 2, "temperature": 1.0},
+        **(extra or {}),
     }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -164,3 +167,50 @@ def test_report_leaves_out_results_of_a_changed_eval_set(tmp_path):
     text = write_report(spec, resamples=50).read_text()
     assert "left out of that set's table): grpo/seed1 `toy`, arpo/seed1 `toy`." in text
     assert "| grpo | 0 | - |" in text and "| grpo - arpo | 0 | - | - |" in text
+
+
+@pytest.mark.parametrize("keep", ["all", "last"])
+def test_keep_checkpoints(tmp_path, keep):
+    # Three steps saved every step: `all` leaves the three checkpoints, `last` only the newest
+    # once the pair is evaluated (the study's disk: ~1.3 GB per SmolLM2 checkpoint).
+    spec = load_spec(write_spec(tmp_path, seeds=(1,), extra={"keep_checkpoints": keep},
+                                base_extra=("trainer.total_steps=3", "trainer.save_freq=1")))
+    run_pair(spec, "grpo", 1, progress=False)
+    run = spec.run_dir("grpo", 1)
+    kept = sorted(p.name for p in run.glob("global_step_*"))
+    assert kept == (["global_step_1", "global_step_2", "global_step_3"] if keep == "all"
+                    else ["global_step_3"])
+    assert pair_state(spec, "grpo", 1) == "done"
+    assert json.loads((run / RESULT_FILE).read_text())["steps"] == 3
+
+
+def test_keep_checkpoints_refuses_other_values(tmp_path):
+    with pytest.raises(AppoError, match="keep_checkpoints must be one of all, last, got 'none'"):
+        load_spec(write_spec(tmp_path, extra={"keep_checkpoints": "none"}))
+
+
+def test_eval_start_evaluates_the_starting_checkpoint(tmp_path):
+    # eval.start adds the row `start`: the base model evaluated per seed without training
+    # (no step, no checkpoint), first in every seed; the report shows it beside the variants.
+    # Under greedy decoding the untrained model answers the same whatever the seed.
+    spec = load_spec(write_spec(tmp_path, extra={"eval": {
+        "sets": {"toy": f"{tmp_path / 'toy.jsonl'}?n=3"}, "k": 2, "temperature": 1.0,
+        "start": True}}))
+    assert spec.pairs()[:3] == [("start", 1), ("grpo", 1), ("arpo", 1)]
+    for seed in (1, 2):
+        run_pair(spec, "start", seed, progress=False)
+    results = [json.loads((spec.run_dir("start", s) / RESULT_FILE).read_text()) for s in (1, 2)]
+    assert [r["steps"] for r in results] == [0, 0]
+    assert results[0]["sets"]["toy"]["greedy"] == results[1]["sets"]["toy"]["greedy"]
+    assert not list(spec.run_dir("start", 1).glob("global_step_*"))
+    assert pair_state(spec, "start", 1) == "done" and pair_state(spec, "grpo", 1) == "missing"
+    text = write_report(spec, resamples=50).read_text()
+    assert "| start | - | - | - | - | the starting checkpoint, not trained |" in text
+    assert "| start | 2 | 3 |" in text and "| start - grpo | 0 | - | - |" in text
+
+
+def test_eval_start_refuses_a_variant_named_start(tmp_path):
+    path = write_spec(tmp_path, variants={"start": ["rollout.strategy=grpo"]}, extra={"eval": {
+        "sets": {"toy": f"{tmp_path / 'toy.jsonl'}?n=3"}, "start": True}})
+    with pytest.raises(AppoError, match="a variant is named 'start'"):
+        load_spec(path)

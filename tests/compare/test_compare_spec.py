@@ -97,9 +97,11 @@ def test_the_study_spec_is_valid(monkeypatch):
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
     spec = load_spec("docs/study/spec.yaml")
-    assert [v.name for v in spec.variants] == ["grpo", "arpo", "aepo", "appo"]
-    assert spec.seeds == [1, 2, 3] and len(spec.pairs()) == 12
-    assert not any(v.allow_budget_difference for v in spec.variants)
+    assert [v.name for v in spec.variants] == ["start", "grpo", "arpo", "aepo", "appo"]
+    assert spec.seeds == [1, 2, 3] and len(spec.pairs()) == 15
+    # Only the untrained `start` row is exempt from the equal budget.
+    assert [v.name for v in spec.variants if v.allow_budget_difference] == ["start"]
+    assert spec.keep_checkpoints == "last"
     cfg = spec.config("appo", 3)
     assert (cfg.rollout.strategy, cfg.algorithm.adv_estimator, cfg.actor.policy_loss) == (
         "appo", "appo", "future_kl")

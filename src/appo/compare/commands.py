@@ -19,6 +19,9 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"appo compare: {len(spec.variants)} variants x {len(spec.seeds)} seeds, "
               f"output {spec.output_dir}")
         for v in spec.variants:
+            if not v.train:
+                print(f"  {v.name}: the base config's model, evaluated without training")
+                continue
             budget = ", ".join(f"{k}={x}" for k, x in spec.budgets[v.name].items())
             print(f"  {v.name}: {' '.join(v.overrides) or '(base)'} [{budget}]")
         for v, s in spec.pairs():

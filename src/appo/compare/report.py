@@ -112,6 +112,10 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
               "|" + " --- |" * (len(BUDGET_KEYS) + 2)]
     for v in spec.variants:
         b = spec.budgets.get(v.name, {})
+        if not v.train:
+            lines.append(f"| {v.name} | " + " | ".join("-" for _ in BUDGET_KEYS)
+                         + " | the starting checkpoint, not trained |")
+            continue
         lines.append(f"| {v.name} | " + " | ".join(str(b.get(k)) for k in BUDGET_KEYS)
                      + f" | {'allow_budget_difference' if v.allow_budget_difference else ''} |")
     lines += ["", "## Cost (training, mean over finished seeds)", "",
@@ -121,6 +125,10 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
               "eval time (s) |", "|" + " --- |" * 7]
     for n in names:
         fin = [curves[n][s] for s in results[n] if s in curves[n]]
+        if not spec.variant(n).train and results[n]:
+            lines.append(f"| {n} | {len(results[n])} | 0 | - | - | - | "
+                         f"{np.mean([r.eval_seconds for r in results[n].values()]):.0f} |")
+            continue
         if not fin:
             lines.append(f"| {n} | 0 | - | - | - | - | - |")
             continue

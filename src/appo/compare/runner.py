@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from appo.compare.spec import CompareSpec
@@ -84,7 +85,8 @@ def load_result(spec: CompareSpec, variant: str, seed: int) -> PairResult | None
 
 
 def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) -> PairResult:
-    """Train (or resume) one pair and evaluate it; writes `result.json` last."""
+    """Train (or resume) one pair and evaluate it; writes `result.json` last. The `start`
+    row (eval.start) is evaluated as loaded."""
     from appo.trainer.loop import RLTrainer
 
     resume = pair_state(spec, variant, seed) == "partial"
@@ -93,13 +95,33 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
         cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
     trainer = RLTrainer(cfg, progress=progress)
     try:
-        trainer.fit(close=False)
+        if spec.variant(variant).train:
+            trainer.fit(close=False)
         result = evaluate_pair(spec, trainer, variant, seed)
     finally:
         trainer.tools.close()
     if trainer.dp.is_main:
         atomic_write_text(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
+        if spec.keep_checkpoints == "last":
+            prune_checkpoints(spec.run_dir(variant, seed))
     return result
+
+
+def prune_checkpoints(run: Path) -> list[Path]:
+    """Delete every checkpoint of a finished run but the newest valid one (`keep_checkpoints:
+    last`); returns the deleted directories. The kept one still resumes, e.g. to extend a
+    study to more steps."""
+    import shutil
+
+    from appo.trainer.checkpoint import find_checkpoint
+
+    keep, _, _ = find_checkpoint(run)
+    if keep is None:
+        return []
+    gone = [p for p in sorted(run.glob("global_step_*")) if p.is_dir() and p != keep]
+    for p in gone:
+        shutil.rmtree(p)
+    return gone
 
 
 def evaluate_pair(spec: CompareSpec, trainer: Any, variant: str, seed: int) -> PairResult:
