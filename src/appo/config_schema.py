@@ -213,6 +213,10 @@ class ActorConfig:
     # recompute silu(gate) * up there (appo.trainer.memory): the same gradients, about a
     # quarter less activation memory. Off: the modules' own autograd.
     lean_mlp_activations: bool = True
+    # CPU: grouped-query attention through SDPA's own `enable_gqa` instead of transformers'
+    # `repeat_kv` expansion under a mask (appo.models.sdpa_gqa; per model, no environment
+    # variable): the same forward values, gradients to rounding, fewer saved activations.
+    sdpa_gqa: bool = True
     logprob_chunk_size: int = 128
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
