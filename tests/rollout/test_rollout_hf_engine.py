@@ -479,3 +479,38 @@ def test_decode_frees_every_batch_buffer_and_rows_keep_only_their_tokens(lm, mon
         assert kv.length == len(eng.row_ids(r)) - 1  # all but the pending last token
         assert kv.data.untyped_storage().nbytes() == kv.length * per_token
         assert rec.max_error(lm.model, r) < TOL, r
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
+def test_prefill_computes_logits_for_the_last_position_only(lm, lean):
+    """Memory: logits over the whole prompt (`[rows, prompt_len, vocab]` float32) would be
+    SmolLM2's largest tensor by far (32 rows x 300 tokens x 49152 x 4 bytes = 1.9 GB). Every
+    tensor any operation makes during a prefill and a decode, of vocabulary width, must
+    hold at most one vector per row (views of the weights aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    seen: list[tuple[int, int]] = []  # (vectors, storage) of every vocabulary-wide tensor
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == vocab:
+                    seen.append((t.numel() // vocab, t.untyped_storage().data_ptr()))
+            return out
+
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=2, lean_forward=lean)
+    prompts = [tok.encode(f"A prompt of some forty tokens or so, number {i}.") for i in range(3)]
+    assert min(len(p) for p in prompts) > 30
+    roots = [eng.add_row(p) for p in prompts]
+    with Watch():
+        eng.prefill(roots)
+        eng.decode([eng.fork(r, 1)[0] for r in roots], [3, 4, 5], SamplingParams())
+    # The weights and the engine's transposed copy of them (model forward on CPU) aside.
+    weights = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+    if eng._linears is not None:
+        weights |= {c[2].untyped_storage().data_ptr() for c in eng._linears._copies.values()}
+    widest = max(n for n, ptr in seen if ptr not in weights)
+    assert 0 < widest <= len(roots)
