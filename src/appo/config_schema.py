@@ -59,8 +59,9 @@ class DataConfig:
     appo_stage_prompt: bool = False
     train_batch_size: int = 4
     # Held-out prompts rolled out at once by training-time evaluation (validation, the
-    # demo's stages): their KV cache lives together, so this bounds evaluation's memory.
-    val_batch_size: int = 16
+    # demo's stages): their KV cache lives together, so this bounds evaluation's memory
+    # (32: the demo's training rollout holds as many rows; benchmarks/RESULTS.md).
+    val_batch_size: int = 32
     max_prompt_length: int = 512
     max_response_length: int = 384
     overlong: str = "skip"
