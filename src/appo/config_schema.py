@@ -59,8 +59,9 @@ class DataConfig:
     appo_stage_prompt: bool = False
     train_batch_size: int = 4
     # Held-out prompts rolled out at once by training-time evaluation (validation, the
-    # demo's stages): their KV cache lives together, so this bounds evaluation's memory.
-    val_batch_size: int = 16
+    # demo's stages): their KV cache lives together, so this bounds evaluation's memory
+    # (32: the demo's training rollout holds as many rows; benchmarks/RESULTS.md).
+    val_batch_size: int = 32
     max_prompt_length: int = 512
     max_response_length: int = 384
     overlong: str = "skip"
@@ -213,6 +214,10 @@ class ActorConfig:
     # recompute silu(gate) * up there (appo.trainer.memory): the same gradients, about a
     # quarter less activation memory. Off: the modules' own autograd.
     lean_mlp_activations: bool = True
+    # CPU: grouped-query attention through SDPA's own `enable_gqa` instead of transformers'
+    # `repeat_kv` expansion under a mask (appo.models.sdpa_gqa; per model, no environment
+    # variable): the same forward values, gradients to rounding, fewer saved activations.
+    sdpa_gqa: bool = True
     logprob_chunk_size: int = 128
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.

@@ -7,11 +7,15 @@ the full-forward log-prob of that token (float32, max abs diff < 1e-4).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from rollout_fakes import Recorder, full_logits
 
 from appo.models import load_model
+from appo.rollout import hf_batch, hf_engine
 from appo.rollout.hf_engine import HFEngine
 from appo.rollout.sampling import SamplingParams
 
@@ -433,3 +437,80 @@ def test_without_numba_the_engine_decodes_exactly_with_torch(tmp_path):
     error, refused = done.stdout.strip().splitlines()
     assert float(error) < TOL
     assert refused.startswith("refused: cpu_kernel=True needs numba")
+
+
+def test_decode_frees_every_batch_buffer_and_rows_keep_only_their_tokens(lm, monkeypatch):
+    """Memory: the buffers a decode call allocates (the prefill's, each compaction's and
+    growth's) are gone when it returns, and at most two are alive at once (the old and new
+    one of a compaction or growth); every row keeps a copy of exactly its own tokens' keys
+    and values. Rows keeping views of a batch buffer instead kept each whole buffer alive:
+    with a compaction every 25 % of stopped rows, buffers of 1, 3/4, 9/16... of the batch
+    stacked up (about 4x the first) and stayed until the rows were released."""
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=4, capacity_chunk=8)  # small chunks: buffers grow
+    alive: list[weakref.ref] = []
+    most = [0]
+
+    def tracked(tensor):
+        alive.append(weakref.ref(tensor))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+        return tensor
+
+    alloc, gather = eng._alloc, hf_batch.gather_rows
+    monkeypatch.setattr(eng, "_alloc", lambda *a: tracked(alloc(*a)))
+    for module in (hf_batch, hf_engine):
+        monkeypatch.setattr(module, "gather_rows", lambda *a: tracked(gather(*a)))
+    rec = Recorder(eng)
+    roots = [eng.add_row(tok.encode(t)) for t in ("first prompt of three", "second", "3rd")]
+    eng.prefill(roots)
+    rows = [r for root in roots for r in rec.fork(root, 4)]
+    # Budgets 1..23: rows stop one after another, so several compactions run.
+    rec.decode(rows, [1 + 2 * i for i in range(12)], SamplingParams())
+    eng.append(rows[-1], tok.encode(" <result>\n7\n</result>"))
+    kids = rec.fork(rows[-1], 2)
+    rec.decode([rows[-1], *kids, rows[0]], [9, 14, 5, 11], SamplingParams())
+    gc.collect()
+    assert len(alive) >= 6  # prefills, compactions and growths all ran
+    assert most[0] <= 2
+    assert all(r() is None for r in alive)
+    per_token = eng.num_layers * 2 * eng.kv_heads * eng.head_dim * 4  # float32 K and V
+    for r in rows + kids:
+        kv = eng.rows[r].kv
+        assert kv.length == len(eng.row_ids(r)) - 1  # all but the pending last token
+        assert kv.data.untyped_storage().nbytes() == kv.length * per_token
+        assert rec.max_error(lm.model, r) < TOL, r
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
+def test_prefill_computes_logits_for_the_last_position_only(lm, lean):
+    """Memory: logits over the whole prompt (`[rows, prompt_len, vocab]` float32) would be
+    SmolLM2's largest tensor by far (32 rows x 300 tokens x 49152 x 4 bytes = 1.9 GB). Every
+    tensor any operation makes during a prefill and a decode, of vocabulary width, must
+    hold at most one vector per row (views of the weights aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab = lm.model.get_output_embeddings().weight.shape[0]
+    seen: list[tuple[int, int]] = []  # (vectors, storage) of every vocabulary-wide tensor
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == vocab:
+                    seen.append((t.numel() // vocab, t.untyped_storage().data_ptr()))
+            return out
+
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=2, lean_forward=lean)
+    prompts = [tok.encode(f"A prompt of some forty tokens or so, number {i}.") for i in range(3)]
+    assert min(len(p) for p in prompts) > 30
+    roots = [eng.add_row(p) for p in prompts]
+    with Watch():
+        eng.prefill(roots)
+        eng.decode([eng.fork(r, 1)[0] for r in roots], [3, 4, 5], SamplingParams())
+    # The weights and the engine's transposed copy of them (model forward on CPU) aside.
+    weights = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+    if eng._linears is not None:
+        weights |= {c[2].untyped_storage().data_ptr() for c in eng._linears._copies.values()}
+    widest = max(n for n, ptr in seen if ptr not in weights)
+    assert 0 < widest <= len(roots)

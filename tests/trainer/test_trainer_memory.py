@@ -154,3 +154,57 @@ def test_evaluation_runs_in_chunks_of_val_batch_size(toy):
     assert sorted(id(e) for e in ev.examples) == sorted(id(e) for e in trainer.val_data)
     for t, ex in zip(ev.trajectories, ev.examples, strict=True):
         assert t.prompt_ids == trainer._prompt_ids(ex)
+
+
+def test_sdpa_gqa_same_forward_gradients_to_rounding_fewer_saved_bytes(tmp_path):
+    """`actor.sdpa_gqa`: tiny-test has 4 query heads over 2 key/value heads. Under a mask
+    (padded rows; the shared-prefix forward's 4D mask) transformers expands K/V to 4 heads;
+    SDPA's `enable_gqa` reads the 2 heads as they are. The forward is bitwise the same
+    (float32, both forwards); gradients differ only by summation order (SDPA sums the group's
+    key/value gradients inside its kernel), checked in float64. Only the switched model
+    changes: the original, and a checkpoint's config, stay on transformers' `sdpa`."""
+    import copy
+
+    from appo.models.sdpa_gqa import GQA_SDPA, use_sdpa_gqa
+    from appo.trainer.forward import final_hidden_states
+
+    base = load_model("tiny-test").model.train()
+    gqa = copy.deepcopy(base)
+    assert use_sdpa_gqa(gqa) and gqa.config._attn_implementation == GQA_SDPA
+    assert base.config._attn_implementation == "sdpa"
+    vocab = base.get_input_embeddings().weight.shape[0]
+    ids, lengths = _ids(4, 40, vocab), torch.tensor([40, 33, 27, 38])
+    ids[:, :20] = ids[0, :20]  # a 20-token common prefix: the shared-prefix forward runs
+    for share in (False, True):
+        with torch.no_grad():
+            a, b = (final_hidden_states(m, ids, lengths, share_prefix=share) for m in (base, gqa))
+        assert torch.equal(a, b), share
+    weights = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    real = (torch.arange(40)[None] < lengths[:, None])[..., None]
+    for share in (False, True):
+        grads = []
+        for model in (base, gqa):
+            model.to(torch.float64).zero_grad()
+            hidden = final_hidden_states(model, ids, lengths, share_prefix=share)
+            (hidden.sin() * weights * real).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for g0, g1 in zip(*grads, strict=True):
+            assert torch.allclose(g0, g1, rtol=1e-10, atol=1e-12)
+    # Saved for the backward: per layer, the expanded keys and values (2 x 4 heads x 16)
+    # against the 2 heads' own, which autograd keeps anyway: 2 x 2 x 16 x 8 bytes (float64)
+    # per token and layer less, x 2 layers x 160 padded tokens.
+    saved = [memory.saved_bytes(m, ids, lengths) for m in (base, gqa)]
+    assert saved[0] - saved[1] == 2 * 2 * 16 * 8 * 2 * 160
+    gqa.save_pretrained(tmp_path)
+    assert GQA_SDPA not in (tmp_path / "config.json").read_text()
+
+
+def test_sdpa_gqa_leaves_models_without_key_value_groups_alone():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from appo.models.sdpa_gqa import use_sdpa_gqa
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    assert not use_sdpa_gqa(model) and model.config._attn_implementation == "sdpa"

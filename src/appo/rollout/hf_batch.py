@@ -25,7 +25,8 @@ from appo.rollout.rows import Row
 class KVBlock:
     """Keys/values `[layers, 2, kv_heads, length, head_dim]` of a row's first `length` tokens.
 
-    Immutable once made (often a view into a finished batch buffer); shared between forks.
+    Immutable once made (its own storage, or a prefix view of another block); shared between
+    forks.
     """
 
     __slots__ = ("data",)
@@ -36,6 +37,13 @@ class KVBlock:
     @property
     def length(self) -> int:
         return int(self.data.shape[3])
+
+    @classmethod
+    def copy_of(cls, data: Tensor) -> KVBlock:
+        """A block owning exactly these keys/values: a view into a batch buffer would keep
+        the whole buffer (every other row, padding, spare columns) alive as long as the
+        row lives."""
+        return cls(data.clone(memory_format=torch.contiguous_format))
 
     def prefix(self, length: int) -> KVBlock:
         return self if length == self.length else KVBlock(self.data[:, :, :, :length])
@@ -101,8 +109,9 @@ class DecodeBatch:
 
     Row `i` (an index into `rows`) sits in batch slot `slot[i]` (-1 once compacted out), has
     `cached[i]` tokens in the buffer (its columns `start[slot]:start[slot] + cached[i]`) and
-    samples while `active[i]`. The rows hand their KV blocks to the batch on entry; `close`
-    gives each one back as a view of the buffer.
+    samples while `active[i]`. The rows hand their KV blocks to the batch on entry; a row
+    leaving the batch (`compact`, `close`) gets a copy of its own columns, so no buffer
+    outlives its decode call.
     """
 
     def __init__(self, rows: list[HFRow], buf: Tensor, length: int, start: Tensor,
@@ -118,7 +127,7 @@ class DecodeBatch:
         self.cached = [len(r.ids) for r in rows]  # every token is cached after the prefill
         self.active = [True] * len(rows)
         for row in rows:
-            row.kv = None  # rebuilt as a view of the buffer when the row leaves the batch
+            row.kv = None  # copied out of the buffer when the row leaves the batch
 
     # ---------------------------------------------------------------- reading
     @property
@@ -143,7 +152,7 @@ class DecodeBatch:
     def _kv_of(self, i: int) -> KVBlock:
         s = self.slot[i]
         first = int(self.start[s])
-        return KVBlock(self.buf[:, :, s, :, first : first + self.cached[i]])
+        return KVBlock.copy_of(self.buf[:, :, s, :, first : first + self.cached[i]])
 
     # ---------------------------------------------------------------- sampling
     def add_token(self, i: int, token: int) -> None:
@@ -158,8 +167,8 @@ class DecodeBatch:
     # ---------------------------------------------------------------- the buffer
     def compact(self, fraction: float) -> None:
         """Drop the stopped rows from the batch once they are at least `fraction` of it (and
-        at least one): they keep their tokens' cache as a view of the old buffer, and the
-        remaining rows move to a new buffer from their first used column."""
+        at least one): they keep a copy of their tokens' cache, and the remaining rows move
+        to a new buffer from their first used column; the old buffer is then freed."""
         members = self.in_batch()
         stopped = [i for i in members if not self.active[i]]
         if not stopped or len(stopped) < max(1, int(fraction * len(members))):
@@ -211,6 +220,6 @@ class DecodeBatch:
         return len(decoded)
 
     def close(self) -> None:
-        """The rows still in the batch keep their cache as views of the buffer."""
+        """The rows still in the batch keep a copy of their tokens' cache; the buffer goes."""
         for i in self.in_batch():
             self.rows[i].kv = self._kv_of(i)

@@ -274,6 +274,7 @@ class HFEngine(TableRows):
             logits = logits.index_select(0, index)
         batch = DecodeBatch(rows_live, buf, length, start, logits, self._seen(rows_live, params),
                             self._shared_prefix_kv(rows_live, buf, start))
+        del buf  # the batch owns it now: a compaction or growth can free it
         self._decode_loop(batch, [outputs[i] for i in live], budgets, params)
         return outputs
 
@@ -286,9 +287,12 @@ class HFEngine(TableRows):
             return
         ends = [len(r.ids) - 1 for r in rows]
         buf, _, start, _, rep_of = self._prefill(rows, ends, 0)
+        blocks: dict[int, KVBlock] = {}  # one copy per batch row: identical rows share it
         for row, slot, end in zip(rows, rep_of, ends, strict=True):
-            first = int(start[slot])
-            row.kv = KVBlock(buf[:, :, slot, :, first : first + end])
+            if slot not in blocks:
+                first = int(start[slot])
+                blocks[slot] = KVBlock.copy_of(buf[:, :, slot, :, first : first + end])
+            row.kv = blocks[slot]
 
     def _prefill(self, rows: list[HFRow], ends: list[int], max_budget: int):
         """One forward over every row's uncached tokens `ids[kv_len:end]`, deduplicated.

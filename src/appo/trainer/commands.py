@@ -31,10 +31,9 @@ def _sft(args: argparse.Namespace) -> int:
     lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
     torch.manual_seed(cfg.trainer.seed)  # the LoRA adapter's initialisation
     lora = apply_lora(lm.model, cfg.model)  # None: full fine-tuning
-    if cfg.actor.lean_mlp_activations:  # the same memory saving as in RL (appo.trainer.memory)
-        from appo.trainer.memory import lean_mlp_activations
+    from appo.trainer.memory import memory_options  # the same savings as in RL
 
-        lean_mlp_activations(lm.model)
+    memory_options(lm.model, cfg.actor, fsdp=False)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")
     if not train.examples:
         raise AppoError("sft.train_files produced no examples")

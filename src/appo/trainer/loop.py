@@ -39,7 +39,7 @@ from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
-from appo.trainer.memory import apply_memory_target, lean_mlp_activations, trim_freed_memory
+from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import discard_unused_run_dir
@@ -355,9 +355,8 @@ class RLTrainer:
             self.model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
-        if cfg.actor.lean_mlp_activations and not fsdp_requested(cfg.trainer.parallel,
-                                                                 self.dp.enabled):
-            lean_mlp_activations(self.model)
+        memory_options(self.model, cfg.actor, fsdp_requested(cfg.trainer.parallel,
+                                                             self.dp.enabled))
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)

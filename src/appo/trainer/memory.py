@@ -209,3 +209,15 @@ def lean_mlp_activations(model) -> int:
             module.forward = types.MethodType(_lean_mlp_forward, module)
             n += 1
     return n
+
+
+def memory_options(model, actor, fsdp: bool) -> None:
+    """The actor's memory options that change how `model` computes, not what:
+    `lean_mlp_activations` (not under FSDP, whose wrapped modules it would bypass) and
+    `sdpa_gqa` (CPU only, `appo.models.sdpa_gqa`)."""
+    if actor.lean_mlp_activations and not fsdp:
+        lean_mlp_activations(model)
+    if actor.sdpa_gqa:
+        from appo.models.sdpa_gqa import use_sdpa_gqa
+
+        use_sdpa_gqa(model)
