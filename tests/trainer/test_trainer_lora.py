@@ -17,6 +17,7 @@ from appo.errors import AppoError
 from appo.models import load_model
 from appo.trainer.batch import TrainBatch, pad_right
 from appo.trainer.loop import RLTrainer
+from logp_check import rollout_logp_errors
 
 LORA = ("model.lora_rank=8", "model.lora_alpha=16")
 
@@ -93,17 +94,6 @@ def test_resume_refuses_a_checkpoint_of_the_other_kind(toy, tmp_path):
                              "trainer.resume=true"), progress=False)
 
 
-def _rollout_logp_errors(model, dump: Path) -> list[float]:
-    errors = []
-    for line in dump.read_text().splitlines():
-        t = json.loads(line)
-        ids = t["prompt_ids"] + t["response_ids"]
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-        p = len(t["prompt_ids"])
-        errors += [abs(float(ref[p + k - 1, ids[p + k]]) - t["logp_rollout"][k])
-                   for k, m in enumerate(t["loss_mask"]) if m]
-    return errors
 
 
 def test_merged_checkpoint_is_the_adapted_model_and_rollouts_sample_from_it(toy, tmp_path):
@@ -137,9 +127,9 @@ def test_merged_checkpoint_is_the_adapted_model_and_rollouts_sample_from_it(toy,
     # re-merged after the update): their log-probs are the step-1 merged model's.
     step1 = AutoModelForCausalLM.from_pretrained(run / "global_step_1" / "merged")
     dump = tmp_path / "dump" / "step_00002.jsonl"
-    errors = _rollout_logp_errors(step1, dump)
+    errors = rollout_logp_errors(step1, dump)
     assert len(errors) > 20 and max(errors) < 1e-4, max(errors)
-    assert max(_rollout_logp_errors(load_model("tiny-test").model, dump)) > 1e-3
+    assert max(rollout_logp_errors(load_model("tiny-test").model, dump)) > 1e-3
 
 
 def _fixed_batch(tok) -> TrainBatch:

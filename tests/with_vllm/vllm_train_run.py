@@ -5,13 +5,10 @@ log-probs come from a given model.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
 
 LOGP_TOL = 5e-4  # derived in test_vllm_engine.py's docstring
 
@@ -40,16 +37,6 @@ def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
 def rollout_errors(model_dir, dump: Path) -> list[float]:
     """|recorded log-prob - an HF forward's| of every trained token in a rollout dump."""
     from appo.models import load_model
+    from logp_check import rollout_logp_errors
 
-    model = load_model(str(model_dir), device="cpu").model
-    errors = []
-    for line in dump.read_text().splitlines():
-        t = json.loads(line)
-        ids = t["prompt_ids"] + t["response_ids"]
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-        p = len(t["prompt_ids"])
-        for k, m in enumerate(t["loss_mask"]):
-            if m:
-                errors.append(abs(float(ref[p + k - 1, ids[p + k]]) - t["logp_rollout"][k]))
-    return errors
+    return rollout_logp_errors(load_model(str(model_dir), device="cpu").model, dump)
