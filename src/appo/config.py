@@ -166,9 +166,11 @@ def _validate(cfg: DictConfig) -> None:
         if value < 0:  # samplers treat any value <= 0 as greedy: a sign slip would hide
             raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 0; "
                             "0 is greedy)")
-    if cfg.actor.max_memory_gb is not None and not cfg.actor.max_memory_gb > 0:
-        raise AppoError(f"bad value for config key 'actor.max_memory_gb': "
-                        f"{cfg.actor.max_memory_gb!r} (must be > 0 GB, or null)")
+    for key in ["actor.max_memory_gb", "actor.activation_memory_gb"]:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not value > 0:
+            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be > 0 GB, "
+                            "or null)")
     if cfg.critic.cliprange_value <= 0:  # clamp(-c, c) needs c > 0
         raise AppoError(f"bad value for config key 'critic.cliprange_value': "
                         f"{cfg.critic.cliprange_value!r} (must be > 0)")

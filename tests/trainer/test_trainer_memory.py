@@ -1,4 +1,5 @@
-"""actor.max_memory_gb: the update's token budget from a memory target (appo.trainer.memory)."""
+"""actor.max_memory_gb / activation_memory_gb: the update's token budget from memory
+(appo.trainer.memory)."""
 
 from __future__ import annotations
 
@@ -85,9 +86,41 @@ def test_trainer_derives_the_budget_and_trains(toy, capsys):
     trainer.tools.close()
 
 
+def test_activation_share_caps_the_token_budget(toy, capsys):
+    """Default on CPU: `actor.activation_memory_gb` caps the budget at
+    g * 2^30 * (1 - MARGIN) / per_token tokens; a budget already below the cap, or null,
+    leaves it alone. tiny-test saves a few KB per token, so 1e-3 GB caps 4096 well below."""
+    trainer = RLTrainer(toy_config(toy, "actor.activation_memory_gb=0.001"), progress=False)
+    # Measured on the trainer's model (lean MLP and SDPA's GQA applied: fewer saved bytes).
+    per_token = memory.activation_bytes_per_token(trainer.model)
+    expected = int(1e-3 * memory.GIB * (1 - memory.MARGIN) // per_token)
+    assert 64 < expected < 4096
+    assert trainer.cfg.actor.ppo_max_token_len_per_device == expected
+    assert f"micro-batches of up to {expected} tokens instead of 4096" in capsys.readouterr().out
+    trainer.tools.close()
+    for over in ("actor.activation_memory_gb=null", f"actor.ppo_max_token_len_per_device={expected // 2}"):
+        trainer = RLTrainer(toy_config(toy, "actor.activation_memory_gb=0.001", over,
+                                       "trainer.overwrite=true"),
+                            progress=False)
+        want = 4096 if "null" in over else expected // 2
+        assert trainer.cfg.actor.ppo_max_token_len_per_device == want, over
+        trainer.tools.close()
+
+
+def test_probe_leaves_the_global_random_stream_alone():
+    model = load_model("tiny-test").model
+    torch.manual_seed(3)
+    before = torch.rand(4)
+    torch.manual_seed(3)
+    memory.activation_bytes_per_token(model)
+    assert torch.equal(torch.rand(4), before)
+
+
 def test_bad_target_is_one_line(toy):
     with pytest.raises(AppoError, match="actor.max_memory_gb.*must be > 0"):
         toy_config(toy, "actor.max_memory_gb=0")
+    with pytest.raises(AppoError, match="actor.activation_memory_gb.*must be > 0"):
+        toy_config(toy, "actor.activation_memory_gb=-1")
     cfg = toy_config(toy, "actor.max_memory_gb=0.01")
     with pytest.raises(AppoError, match="leaves no room for the update"):
         RLTrainer(cfg, progress=False)

@@ -432,8 +432,8 @@ class RLTrainer:
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
                                         announce=self.dp.is_main, config=to_container(cfg),
                                         parts=self._parts(), lora=self.lora)
-        if cfg.actor.max_memory_gb is not None:  # the update's token budget from a target
-            apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp)
+        # The update's token budget from a memory target, or capped by an activation share.
+        apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp)
         # Rows logged after the checkpoint resumed from are redone: drop them.
         self.logger = MetricsLogger(
             self.out_dir, list(cfg.trainer.logger), run_name=cfg.trainer.experiment_name,

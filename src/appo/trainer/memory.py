@@ -76,10 +76,13 @@ def activation_bytes_per_token(model) -> float:
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
     sizes = []
-    for tokens in (PROBE_TOKENS, 2 * PROBE_TOKENS):
-        ids = torch.randint(0, vocab, (PROBE_ROWS, tokens), generator=gen).to(device)
-        lengths = torch.full((PROBE_ROWS,), tokens)
-        sizes.append(saved_bytes(model, ids, lengths))
+    # A model with dropout would draw from the global generator: the probe must not shift
+    # the run's random stream (a resumed run probes again after restoring it).
+    with torch.random.fork_rng(devices=[]):
+        for tokens in (PROBE_TOKENS, 2 * PROBE_TOKENS):
+            ids = torch.randint(0, vocab, (PROBE_ROWS, tokens), generator=gen).to(device)
+            lengths = torch.full((PROBE_ROWS,), tokens)
+            sizes.append(saved_bytes(model, ids, lengths))
     return max(1.0, (sizes[1] - sizes[0]) / (PROBE_ROWS * PROBE_TOKENS))
 
 
@@ -118,16 +121,32 @@ def token_budget(max_memory_gb: float, model, optimizer) -> tuple[int, dict[str,
 
 
 def apply_memory_target(actor, model, optimizer, dp) -> int:
-    """`actor.max_memory_gb` -> `actor.ppo_max_token_len_per_device` (set in place and
-    printed); the smallest budget over ranks, so every rank plans alike."""
-    tokens, info = token_budget(actor.max_memory_gb, model, optimizer)
-    tokens = -dp.max_int(-tokens)
-    actor.ppo_max_token_len_per_device = tokens
-    if dp.is_main:
-        print(f"appo: actor.max_memory_gb={actor.max_memory_gb:g}: micro-batches of up to "
-              f"{tokens} tokens (resident {info['resident_gb']:.2f} GB, gradients + AdamW "
-              f"{info['optimizer_gb']:.2f} GB to come, {info['mb_per_token']:.2f} MB of "
-              f"activations per token)", flush=True)
+    """Set `actor.ppo_max_token_len_per_device` in place (printed when it changes) and
+    return it: from `actor.max_memory_gb` when set; else, on CPU, capped so the update's
+    activations stay under `actor.activation_memory_gb`. The smallest budget over ranks,
+    so every rank plans alike."""
+    if actor.max_memory_gb is not None:
+        tokens, info = token_budget(actor.max_memory_gb, model, optimizer)
+        tokens = -dp.max_int(-tokens)
+        actor.ppo_max_token_len_per_device = tokens
+        if dp.is_main:
+            print(f"appo: actor.max_memory_gb={actor.max_memory_gb:g}: micro-batches of up "
+                  f"to {tokens} tokens (resident {info['resident_gb']:.2f} GB, gradients + "
+                  f"AdamW {info['optimizer_gb']:.2f} GB to come, {info['mb_per_token']:.2f} "
+                  f"MB of activations per token)", flush=True)
+        return tokens
+    budget = int(actor.ppo_max_token_len_per_device)
+    if actor.activation_memory_gb is None or next(model.parameters()).device.type != "cpu":
+        return budget
+    per_token = activation_bytes_per_token(model)
+    cap = max(MIN_TOKENS, int(actor.activation_memory_gb * GIB * (1 - MARGIN) // per_token))
+    tokens = min(budget, -dp.max_int(-cap))
+    if tokens < budget:
+        actor.ppo_max_token_len_per_device = tokens
+        if dp.is_main:
+            print(f"appo: actor.activation_memory_gb={actor.activation_memory_gb:g}: "
+                  f"micro-batches of up to {tokens} tokens instead of {budget} "
+                  f"({per_token / 2**20:.2f} MB of activations per token)", flush=True)
     return tokens
 
 
