@@ -212,8 +212,8 @@ class ActorConfig:
     max_memory_gb: float | None = None
     # CPU, with max_memory_gb unset: the update's activations get at most this many GB, so
     # the token budget above shrinks for models whose activations per token are large (the
-    # same probe; SmolLM2-135M float32: about 900 tokens instead of 4096). Only the
-    # micro-batch split changes (the loss is split-invariant up to rounding). null: off.
+    # same probe; figures in benchmarks/RESULTS.md). Only the micro-batch split changes
+    # (the loss is split-invariant up to rounding). null: off.
     activation_memory_gb: float | None = 1.25
     # Llama-family SwiGLU MLPs save only their gate and up projections for the backward and
     # recompute silu(gate) * up there (appo.trainer.memory): the same gradients, about a

@@ -95,6 +95,12 @@ def test_activation_share_caps_the_token_budget(toy, capsys):
     per_token = memory.activation_bytes_per_token(trainer.model)
     expected = int(1e-3 * memory.GIB * (1 - memory.MARGIN) // per_token)
     assert 64 < expected < 4096
+    # Independent of the probe's extrapolation: one row of `expected` tokens saves at most
+    # the share (the cap keeps 1 - MARGIN of it), one of twice as many more than it.
+    vocab = trainer.model.get_input_embeddings().weight.shape[0]
+    for tokens, fits in ((expected, True), (2 * expected, False)):
+        saved = memory.saved_bytes(trainer.model, _ids(1, tokens, vocab), torch.full((1,), tokens))
+        assert (saved <= 1e-3 * memory.GIB) == fits, (tokens, saved)
     assert trainer.cfg.actor.ppo_max_token_len_per_device == expected
     assert f"micro-batches of up to {expected} tokens instead of 4096" in capsys.readouterr().out
     trainer.tools.close()
@@ -241,3 +247,21 @@ def test_sdpa_gqa_leaves_models_without_key_value_groups_alone():
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(config)
     assert not use_sdpa_gqa(model) and model.config._attn_implementation == "sdpa"
+
+
+def test_critic_follows_the_capped_budget_and_resume_does_not_flag_it(toy):
+    """gae: the critic (no budget of its own) gets the actor's capped budget. The saved
+    config holds the derived budget, a new run's config the key's own value: not a change
+    to report on resume while a memory option derives it."""
+    from appo.trainer.checkpoint import config_changes
+
+    trainer = RLTrainer(toy_config(toy, "actor.activation_memory_gb=0.001",
+                                   "algorithm.adv_estimator=gae"), progress=False)
+    assert trainer.critic.max_tokens == trainer.cfg.actor.ppo_max_token_len_per_device < 4096
+    trainer.tools.close()
+    saved = {"actor": {"activation_memory_gb": 1.25, "ppo_max_token_len_per_device": 962}}
+    new = {"actor": {"activation_memory_gb": 1.25, "ppo_max_token_len_per_device": 4096}}
+    assert config_changes(saved, new) == []
+    for cfg in (saved, new):
+        cfg["actor"]["activation_memory_gb"] = None
+    assert config_changes(saved, new) == ["actor.ppo_max_token_len_per_device 962 -> 4096"]

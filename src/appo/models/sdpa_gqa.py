@@ -52,8 +52,9 @@ def _register() -> None:
 
 def use_sdpa_gqa(model) -> bool:
     """Switch `model` from transformers' `sdpa` attention to `GQA_SDPA` when it runs on the
-    CPU and has grouped key/value heads; returns whether it did. Exact: the same attention
-    values and gradients (tests/trainer/test_trainer_memory.py checks them bitwise)."""
+    CPU and has grouped key/value heads; returns whether it did. The same attention values
+    bitwise; gradients to rounding (SDPA sums a group's key/value gradients in its own
+    order; tests/trainer/test_trainer_memory.py)."""
     config = getattr(model, "config", None)
     if (config is None or getattr(config, "_attn_implementation", None) != "sdpa"
             or next(model.parameters()).device.type != "cpu"

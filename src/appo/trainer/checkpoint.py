@@ -396,8 +396,14 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     a, b = _flatten(old), _flatten(new)
     missing = object()
     lines = []
+    ignored = set(RESUME_KEYS_IGNORED)
+    # A memory target or activation share rewrites the token budget at start-up (the saved
+    # config holds the derived value, the new one the key's own): compare the targets only.
+    if any(c.get(k) is not None for c in (a, b)
+           for k in ("actor.max_memory_gb", "actor.activation_memory_gb")):
+        ignored.add("actor.ppo_max_token_len_per_device")
     for key in sorted(set(a) | set(b)):
-        if key in RESUME_KEYS_IGNORED:
+        if key in ignored:
             continue
         va, vb = a.get(key, missing), b.get(key, missing)
         if va != vb:
