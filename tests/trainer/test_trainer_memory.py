@@ -265,3 +265,19 @@ def test_critic_follows_the_capped_budget_and_resume_does_not_flag_it(toy):
     for cfg in (saved, new):
         cfg["actor"]["activation_memory_gb"] = None
     assert config_changes(saved, new) == ["actor.ppo_max_token_len_per_device 962 -> 4096"]
+
+
+def test_under_fsdp_the_cap_is_skipped_and_a_target_refused():
+    """The probe cannot run on a sharded model: the budget stays as given, and a memory
+    target is one clear line (the trainer passes fsdp=True after sharding)."""
+    from appo.config_schema import ActorConfig
+    from appo.trainer.distributed import DataParallel
+
+    model = load_model("tiny-test").model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    actor = ActorConfig(ppo_max_token_len_per_device=4096, activation_memory_gb=1e-6)
+    assert memory.apply_memory_target(actor, model, opt, DataParallel(), fsdp=True) == 4096
+    assert memory.apply_memory_target(actor, model, opt, DataParallel()) < 4096  # off FSDP
+    actor = ActorConfig(max_memory_gb=3.0)
+    with pytest.raises(AppoError, match="max_memory_gb is not supported with trainer.paral"):
+        memory.apply_memory_target(actor, model, opt, DataParallel(), fsdp=True)

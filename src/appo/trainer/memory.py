@@ -120,11 +120,17 @@ def token_budget(max_memory_gb: float, model, optimizer) -> tuple[int, dict[str,
     return tokens, info
 
 
-def apply_memory_target(actor, model, optimizer, dp) -> int:
+def apply_memory_target(actor, model, optimizer, dp, fsdp: bool = False) -> int:
     """Set `actor.ppo_max_token_len_per_device` in place (printed when it changes) and
     return it: from `actor.max_memory_gb` when set; else, on CPU, capped so the update's
     activations stay under `actor.activation_memory_gb`. The smallest budget over ranks,
-    so every rank plans alike."""
+    so every rank plans alike. Under FSDP the probe cannot run on the sharded model: the
+    cap is skipped and a target refused."""
+    if fsdp:
+        if actor.max_memory_gb is not None:
+            raise AppoError("actor.max_memory_gb is not supported with trainer.parallel=fsdp "
+                            "yet: set actor.ppo_max_token_len_per_device instead")
+        return int(actor.ppo_max_token_len_per_device)
     if actor.max_memory_gb is not None:
         tokens, info = token_budget(actor.max_memory_gb, model, optimizer)
         tokens = -dp.max_int(-tokens)
