@@ -63,8 +63,3 @@ def use_sdpa_gqa(model) -> bool:
     _register()
     model.set_attn_implementation(GQA_SDPA)
     return True
-
-
-def sdpa_gqa_active(model) -> bool:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == GQA_SDPA
-

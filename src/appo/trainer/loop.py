@@ -355,8 +355,9 @@ class RLTrainer:
             self.model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
-        memory_options(self.model, cfg.actor, fsdp_requested(cfg.trainer.parallel,
-                                                             self.dp.enabled))
+        # Under FSDP the engine samples from a whole replica, synced after each update.
+        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
+        memory_options(self.model, cfg.actor, self.fsdp)
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)
@@ -365,8 +366,6 @@ class RLTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             if self.compute_dtype is not None:  # a frozen copy needs no float32 master
                 self.ref_model.to(self.compute_dtype)
-        # Under FSDP the engine samples from a whole replica, synced after each update.
-        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         self.rollout_model = self.model
         self._rollout_stale = False
         if self.lora is not None:  # under FSDP built whole before sharding, merged per unit
