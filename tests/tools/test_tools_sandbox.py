@@ -10,14 +10,14 @@ import ast
 import os
 import signal
 import socket
+import tempfile
+import threading
 import time
 
 import pytest
 
 from appo.tools.python_tool import PythonTool, strip_code_fence, truncate_middle
 from appo.tools.sandbox.runtime import prepare_code
-
-NOBODY = 65534
 
 
 def _process_table() -> dict[int, int]:
@@ -98,33 +98,15 @@ def patient_tool():
     t.close()
 
 
-def _is_zygote(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"zygote_main.py" in f.read()
-    except OSError:
-        return False
-
-
-def _under_another_sandbox(parents: dict[int, int], pid: int, ours: int) -> bool:
-    """`pid` descends from another process's sandbox zygote (another test run or appo
-    process on this machine), so it is that sandbox's worker, not something ours leaked."""
-    while pid in parents and pid > 1:
-        if pid != ours and _is_zygote(pid):
-            return True
-        pid = parents[pid]
-    return False
-
-
 def _stray_sandbox_uid_processes(tool: PythonTool, before: set[int]) -> set[int]:
-    """New live processes of the sandbox uid that are not an idle sandbox's code process
-    (ours, or any other sandbox's on the machine)."""
+    """New live processes of the sandbox's uid (its own: no other sandbox shares it) that are
+    not an idle code process of its workers."""
     parents = _process_table()
-    ours = tool.sandbox.pid
-    idle_code = {kid for sup in _children(parents, ours) for kid in _children(parents, sup)}
-    new_live = {pid for pid in _uid_processes(NOBODY) - before if pid in parents}
-    return {pid for pid in new_live - idle_code
-            if not _under_another_sandbox(parents, pid, ours)}
+    idle_code = {kid for sup in _children(parents, tool.sandbox.pid)
+                 for kid in _children(parents, sup)}
+    new_live = {pid for pid in _uid_processes(tool.capabilities["uid_drop"]) - before
+                if pid in parents}
+    return new_live - idle_code
 
 
 @pytest.fixture
@@ -139,14 +121,16 @@ def patient_clean(patient_tool):
 
 
 def _left_clean(tool):
-    nobody_before = _uid_processes(NOBODY)
+    uid = tool.capabilities["uid_drop"]
+    uid_before = _uid_processes(uid) if uid is not None else set()
     zygote = tool.sandbox.pid
     yield
     assert _wait_until_clean(tool) == []
-    deadline = time.monotonic() + 5.0
-    while _stray_sandbox_uid_processes(tool, nobody_before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _stray_sandbox_uid_processes(tool, nobody_before) == set()
+    if uid is not None:
+        deadline = time.monotonic() + 5.0
+        while _stray_sandbox_uid_processes(tool, uid_before) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _stray_sandbox_uid_processes(tool, uid_before) == set()
     assert tool.sandbox.pid == zygote  # the zygote itself survived
 
 
@@ -199,7 +183,8 @@ def test_stdlib_modules_outside_the_preload_import_as_the_sandbox_user(tool):
     result = tool.execute("import xml.dom.minidom, wave, zipfile\nimport os\nos.getuid()")
     assert result.ok, result.text
     if os.geteuid() == 0:
-        assert result.text == str(NOBODY)
+        uid = tool.capabilities["uid_drop"]
+        assert uid not in (None, 0, 65534) and result.text == str(uid)
 
 
 def test_error_shows_trimmed_traceback_after_partial_stdout(tool):
@@ -446,11 +431,7 @@ def test_dead_zygote_is_restarted():
 def test_rlimits_fallback_blocks_network_and_cleans_up(monkeypatch):
     monkeypatch.setenv("APPO_TEST_SECRET", "fallback-secret")
     tmp_before = {n for n in os.listdir("/tmp") if n.startswith("appo-sandbox-")}
-    # Without a PID namespace the process limit (RLIMIT_NPROC) counts every process of the
-    # sandbox uid on the machine, other appo sandboxes' idle workers included: leave them
-    # room, or the fork below fails only because another test run or appo process is alive.
-    others = len(_uid_processes(NOBODY)) if os.geteuid() == 0 else 0
-    t = PythonTool(timeout=1.5, memory_mb=256, max_processes=16 + others, isolation="rlimits")
+    t = PythonTool(timeout=1.5, memory_mb=256, max_processes=16, isolation="rlimits")
     try:
         caps = t.capabilities
         assert caps["netns"] is False and caps["seccomp_net"] is True
@@ -501,3 +482,51 @@ def test_user_namespace_path():
         assert _wait_until_clean(t) == []
     finally:
         t.close()
+
+
+def test_other_sandboxes_processes_do_not_count_against_the_process_limit():
+    """RLIMIT_NPROC counts a uid's processes machine-wide. With one uid for every sandbox (a
+    fixed `sandbox_uid` such as `nobody`), another appo run's busy sandbox made this one's
+    fork fail; each sandbox now has a uid of its own. `rlimits` isolation: no PID namespace,
+    so only the uid separates the counts."""
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to a sandbox uid")
+    shared = tempfile.mkdtemp(prefix="appo-test-nproc-")
+    os.chmod(shared, 0o755)  # the busy code (another uid) polls for the stop file here
+    stop = os.path.join(shared, "stop")
+    busy = PythonTool(timeout=60, memory_mb=256, max_processes=32, isolation="rlimits")
+    small = PythonTool(timeout=30, memory_mb=256, max_processes=8, isolation="rlimits")
+    # 10 processes of the busy sandbox wait for the stop file (or 50 s).
+    busy_code = ("import os, time\nkids = []\nfor _ in range(9):\n    pid = os.fork()\n"
+                 "    if pid == 0:\n        t = time.time()\n"
+                 f"        while not os.path.exists({stop!r}) and time.time() - t < 50:\n"
+                 "            time.sleep(0.05)\n        os._exit(0)\n    kids.append(pid)\n"
+                 "for k in kids:\n    os.waitpid(k, 0)\nprint('busy done')")
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(busy=busy.execute(busy_code)))
+    try:
+        busy_uid, small_uid = busy.capabilities["uid_drop"], small.capabilities["uid_drop"]
+        assert busy_uid != small_uid
+        thread.start()
+        deadline = time.monotonic() + 30
+        while len(_uid_processes(busy_uid)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_uid_processes(busy_uid)) >= 10
+        # 3 children at once: with the busy sandbox's 10 processes on the same uid this
+        # exceeds max_processes=8; on a uid of its own (the code, 3 children, idle spares)
+        # it does not.
+        forks = small.execute("import os, time\nkids = []\nfor _ in range(3):\n"
+                              "    pid = os.fork()\n    if pid == 0:\n"
+                              "        time.sleep(0.5)\n        os._exit(0)\n"
+                              "    kids.append(pid)\nfor k in kids:\n    os.waitpid(k, 0)\n"
+                              "print(len(kids))")
+        assert len(_uid_processes(busy_uid)) >= 10  # the busy ones were alive throughout
+        assert forks.ok and forks.text == "3", forks.text
+    finally:
+        open(stop, "w").close()
+        thread.join(timeout=60)
+        busy.close()
+        small.close()
+        os.remove(stop)
+        os.rmdir(shared)
+    assert results["busy"].text == "busy done"

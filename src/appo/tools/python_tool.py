@@ -63,7 +63,8 @@ class PythonTool:
     (more stops the program), `error_lines` (traceback lines kept), `empty_output_text`,
     `preload` / `extra_preload` (modules imported once in the zygote), `isolation`
     (auto | rlimits), `network` (false), `sandbox_uid` (uid the code runs as when appo runs
-    as root), `spares` (workers kept ready), `strip_fences`, `eager_start`.
+    as root; "auto": one of its own per sandbox, so other sandboxes' processes do not count
+    against `max_processes`), `spares` (workers kept ready), `strip_fences`, `eager_start`.
     """
 
     enforces_timeout = True  # the sandbox bounds every run; no executor watchdog needed
@@ -91,7 +92,7 @@ class PythonTool:
         extra_preload: list[str] | None = None,
         isolation: str = "auto",
         network: bool = False,
-        sandbox_uid: int | None = 65534,
+        sandbox_uid: int | str | None = "auto",
         spares: int = 2,
         strip_fences: bool = True,
         eager_start: bool = True,

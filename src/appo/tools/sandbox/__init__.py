@@ -13,8 +13,9 @@ wall-time, CPU-time, memory (address space), process-count and file-size limits;
 environment (nothing inherited, so no API keys); no network at all (a new network namespace:
 not even 127.0.0.1); the filesystem read-only except a fresh size-capped tmpfs on /tmp (the
 working dir) and /dev/shm that vanishes with the call; a PID namespace whose init kills every
-process the code started when it ends or times out; as root, an unprivileged uid (`nobody`,
-no groups, `no_new_privs`), so RLIMIT_NPROC holds, the code cannot signal the host, and
+process the code started when it ends or times out; as root, an unprivileged uid of the sandbox's
+own (`sandbox_uid="auto"`: no other process has it; no groups, `no_new_privs`), so
+RLIMIT_NPROC holds and counts only this sandbox's processes, the code cannot signal the host, and
 files only `others` may read are readable (world-readable files remain readable; so do
 world-writable Unix sockets such as a D-Bus socket).
 
@@ -26,8 +27,8 @@ subreaper, and a seccomp filter that makes socket() fail for every family but AF
 blocks io_uring); it is enforced by the kernel and inherited by subprocesses. It does NOT
 stop: reading any file the user can read, writing files the user can write outside the
 working dir (a non-root sandbox runs as the user), connecting to local Unix sockets the user
-may use (e.g. Docker's), signalling the user's other processes (as root it runs as `nobody`
-and could signal other `nobody` processes), or a fork bomb from loading the machine up to
+may use (e.g. Docker's), signalling the user's other processes (as root with a fixed
+`sandbox_uid` such as 65534, other processes of that uid), or a fork bomb from loading the machine up to
 the process cap. For the full guarantees run as root (e.g. in a container with
 CAP_SYS_ADMIN) or on a kernel with user namespaces; `Sandbox.capabilities` (and
 `appo tool python --verbose`) says which layers are active.

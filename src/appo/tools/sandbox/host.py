@@ -169,7 +169,7 @@ class Sandbox:
         preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD,
         isolation: str = "auto",
         network: bool = False,
-        drop_uid: int | None = 65534,
+        drop_uid: int | str | None = "auto",
         spares: int = 2,
         python: str | None = None,
         start_timeout: float = 120.0,
@@ -178,6 +178,11 @@ class Sandbox:
             from appo.errors import AppoError
 
             raise AppoError(f"bad sandbox isolation {isolation!r} (choose auto or rlimits)")
+        if not (drop_uid is None or drop_uid == "auto"
+                or (isinstance(drop_uid, int) and 0 < drop_uid < 2**32 - 1)):
+            from appo.errors import AppoError
+
+            raise AppoError(f"bad sandbox_uid {drop_uid!r} (auto, null or a uid > 0)")
         self.limits = limits or SandboxLimits()
         self.spares = max(1, int(spares))
         self.config = {

@@ -31,8 +31,9 @@ the per-call tmpfs (`supervisor`), the code process the rest (`child`):
   sandbox uid may not traverse (e.g. a venv under /root) are exposed by a tmpfs over the
   parent holding bind mounts of just those entries. Without a mount namespace: a mkdtemp
   working dir removed afterwards; other writable places (/tmp, /dev/shm) stay writable.
-- identity: as root, the code process drops to an unprivileged uid (`nobody`), no groups, so
-  RLIMIT_NPROC is enforced (root ignores it), other users' files and processes are out of
+- identity: as root, the code process drops to an unprivileged uid of this zygote's
+  own (`sandbox_uid`), no groups, so RLIMIT_NPROC is enforced (root ignores it) and counts
+  only this sandbox's processes, other users' files and processes are out of
   reach, and it cannot signal the host. `no_new_privs` stops setuid binaries.
 - processes: the code runs as PID 2 of a new PID namespace whose PID 1 is the supervisor;
   every process the code starts, even after setsid(), is killed when the run ends or times
@@ -70,6 +71,20 @@ from .linux import (
 from .mounts import _expose_untraversable, _remount_all_readonly
 from .supervisor import Supervisor
 
+# "auto" uids: above every uid a distribution hands out and below 2**31, plus the zygote's pid
+# (at most 2**22), so two live sandboxes never share one.
+AUTO_UID_BASE = 0x60000000
+
+
+def sandbox_uid(value: int | str | None) -> int | None:
+    """The uid the code runs as (when appo runs as root). "auto": a uid of this zygote's own,
+    so RLIMIT_NPROC, a per-uid count, sees only this sandbox's processes; a shared uid such as
+    `nobody` lets every other appo run's sandbox processes eat this one's process limit (and
+    lets their code signal each other's)."""
+    if value == "auto":
+        return AUTO_UID_BASE + os.getpid()
+    return None if value is None else int(value)
+
 
 class Zygote:
     def __init__(self, config: dict):
@@ -103,8 +118,9 @@ class Zygote:
         want_net = not cfg.get("network", False)
         is_root = os.geteuid() == 0
         caps.update(netns=False, mountns=False, pidns=False, userns=False, readonly_fs=False)
-        if is_root and cfg.get("drop_uid") is not None:
-            self.uid, self.gid = int(cfg["drop_uid"]), int(cfg.get("drop_gid", cfg["drop_uid"]))
+        drop_uid = sandbox_uid(cfg.get("drop_uid"))
+        if is_root and drop_uid is not None:
+            self.uid, self.gid = drop_uid, int(cfg.get("drop_gid", drop_uid))
         if isolation in ("auto", "userns"):
             flags = CLONE_NEWNS | (CLONE_NEWNET if want_net else 0)
             try:
@@ -114,7 +130,7 @@ class Zygote:
                     # Unprivileged path: a user namespace grants the capabilities to create
                     # the others. (Tested as root by first becoming `nobody` for good.)
                     if is_root:
-                        nobody = int(cfg.get("drop_uid") or 65534)
+                        nobody = drop_uid if drop_uid is not None else 65534
                         os.setgroups([])
                         os.setgid(nobody)
                         os.setuid(nobody)
