@@ -159,6 +159,55 @@ def test_lean_mlp_same_values_and_gradients_fewer_saved_bytes():
     assert saved[0] - saved[1] == 3 * 40 * 4096
 
 
+def test_lean_mlp_with_lora_same_values_and_gradients_fewer_saved_bytes():
+    """A LoRA adapter on every linear (PEFT, what `model.lora_rank` builds): the lean path
+    computes down_proj's LoRA term itself. float64: the loss and every adapter gradient equal
+    PEFT's module path (to rounding; B is set non-zero so A's gradient is not trivially 0);
+    saved bytes lower by silu(gate) and the product h, whose second copy PEFT's lora_A
+    input was: 2 x 128 (intermediate) x 8 bytes x 2 layers = 4096 bytes per token, while the
+    `[tokens, r]` lora_A(h) is saved either way. With dropout on, the module's own path."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from appo.models.lora import apply_lora
+    from appo.trainer.forward import final_hidden_states
+
+    cfg = OmegaConf.create({"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                            "target_modules": "all-linear", "path": ""})
+    torch.manual_seed(0)
+    plain = apply_lora(load_model("tiny-test").model.to(torch.float64), cfg).model.train()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    lean = copy.deepcopy(plain)
+    assert memory.lean_mlp_activations(lean) == 2
+    vocab = plain.get_input_embeddings().weight.shape[0]
+    ids, lengths = _ids(3, 40, vocab), torch.tensor([40, 33, 17])
+    results = []
+    for model in (plain, lean):
+        hidden = final_hidden_states(model, ids, lengths)
+        loss = (hidden.sin() * torch.linspace(-1, 1, hidden.shape[-1],
+                                              dtype=torch.float64)).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads, hidden.grad_fn))
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    assert results[0][1].keys() == results[1][1].keys()
+    assert any("mlp.down_proj.lora_A" in n for n in results[0][1])
+    for name, grad in results[0][1].items():
+        assert grad.abs().sum() > 0, name
+        assert torch.allclose(grad, results[1][1][name], rtol=1e-10, atol=1e-12), name
+    saved = [memory.saved_bytes(m, ids, torch.full((3,), 40)) for m in (plain, lean)]
+    assert saved[0] - saved[1] == 3 * 40 * 4096
+    # lora_dropout > 0: PEFT's dropout must run, so the module's own path.
+    mlp = lean.model.layers[0].mlp
+    mlp.down_proj.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    out = mlp(torch.randn(2, 5, 64, dtype=torch.float64))
+    assert "SwiGLU" not in type(out.grad_fn).__name__
+
+
 def test_lean_mlp_leaves_no_grad_and_wrapped_projections_alone():
     model = load_model("tiny-test").model
     memory.lean_mlp_activations(model)

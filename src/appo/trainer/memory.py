@@ -179,43 +179,84 @@ class _SwiGLUDown(torch.autograd.Function):
     """`down(silu(gate) * up)` saving only `gate` and `up` `[..., I]`: autograd through the
     module saves `silu(gate)` and the product as well (four `[..., I]` tensors per token and
     layer, the largest activations of a Llama-family model). The backward recomputes the two
-    elementwise tensors, which costs far less than the matmuls around them."""
+    elementwise tensors, which costs far less than the matmuls around them.
+
+    With a LoRA adapter on `down` (`lora_a` `[r, I]`, `lora_b` `[O, r]`, `scaling`), its term
+    `scaling * lora_b(lora_a(h))` is computed here too, saving only `lora_a(h)` `[..., r]`:
+    PEFT's module would save `h` a second time for `lora_a`."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
-        ctx.save_for_backward(gate, up, weight)
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling):
+        h = torch.nn.functional.silu(gate) * up
+        out = torch.nn.functional.linear(h, weight, bias)
+        low = None
+        if lora_a is not None:
+            low = h @ lora_a.t()  # [..., r]
+            out = out + (low @ lora_b.t()) * scaling
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, low)
         ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight, bias)
+        ctx.scaling = scaling
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up, weight = ctx.saved_tensors
+        gate, up, weight, lora_a, lora_b, low = ctx.saved_tensors
         act = torch.nn.functional.silu(gate)
         grad_prod = grad_out @ weight  # [..., O] @ [O, I]
-        grad_w = grad_b = grad_gate = grad_up = None
+        flat_out = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = grad_b = grad_gate = grad_up = grad_a = grad_bb = None
+        if lora_a is not None:
+            grad_low = (grad_out @ lora_b) * ctx.scaling  # [..., r]
+            grad_prod = grad_prod + grad_low @ lora_a
+            if ctx.needs_input_grad[4]:
+                grad_a = grad_low.reshape(-1, grad_low.shape[-1]).t() @ (act * up).reshape(
+                    -1, up.shape[-1])
+            if ctx.needs_input_grad[5]:
+                grad_bb = (flat_out.t() @ low.reshape(-1, low.shape[-1])) * ctx.scaling
         if ctx.needs_input_grad[2]:
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ (act * up).reshape(
-                -1, up.shape[-1])
+            grad_w = flat_out.t() @ (act * up).reshape(-1, up.shape[-1])
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+            grad_b = flat_out.sum(0)
         if ctx.needs_input_grad[0]:
             grad_gate = torch.ops.aten.silu_backward(grad_prod * up, gate)
         if ctx.needs_input_grad[1]:
             grad_up = grad_prod * act
-        return grad_gate, grad_up, grad_w, grad_b
+        return grad_gate, grad_up, grad_w, grad_b, grad_a, grad_bb, None
 
 
-def _plain_linear(m) -> bool:
-    return type(m) is torch.nn.Linear
+def _down_parts(down) -> tuple | None:
+    """(weight, bias, lora_a, lora_b, scaling) of `down` when the lean path computes exactly
+    what its forward does: a plain linear, or a PEFT LoRA linear with one plain adapter
+    active (not merged or disabled, no dropout, no DoRA-like variant) over a plain linear,
+    in one dtype. Else None."""
+    if type(down) is torch.nn.Linear:
+        return down.weight, down.bias, None, None, 1.0
+    base = getattr(down, "base_layer", None)
+    lora_a, lora_b = getattr(down, "lora_A", None), getattr(down, "lora_B", None)
+    if (type(base) is not torch.nn.Linear or lora_a is None or lora_b is None
+            or down.disable_adapters or down.merged or getattr(down, "lora_variant", None)):
+        return None
+    active = [a for a in down.active_adapters if a in lora_a]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    a, b = lora_a[name], lora_b[name]
+    if (type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear
+            or a.bias is not None or b.bias is not None
+            or not isinstance(down.lora_dropout[name], torch.nn.Identity)
+            or not a.weight.dtype == b.weight.dtype == base.weight.dtype):
+        return None
+    return base.weight, base.bias, a.weight, b.weight, float(down.scaling[name])
 
 
 def _lean_mlp_forward(self, x):
-    # Plain linears, SiLU, float32/64 without autocast, gradients on: the lean path; anything
-    # else (LoRA-wrapped projections, bfloat16 autocast, no-grad forwards) the module's own.
-    if (torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-            and all(_plain_linear(m) for m in (self.gate_proj, self.up_proj, self.down_proj))):
-        return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
-                                 self.down_proj.bias)
+    # Float32/64 without autocast, gradients on, and a `down_proj` the lean path reproduces
+    # (`_down_parts`): the lean path; anything else (bfloat16 autocast, no-grad forwards,
+    # other wrappers) the module's own. `gate_proj`/`up_proj` run as they are (LoRA or not).
+    if torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+        parts = _down_parts(self.down_proj)
+        if parts is not None:
+            return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), *parts)
     return type(self).forward(self, x)
 
 
