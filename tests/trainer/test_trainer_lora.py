@@ -245,6 +245,10 @@ def test_target_modules_from_a_dotted_list_override():
     cfg = load_config(overrides=["model.lora_rank=2", "model.target_modules=[q_proj,v_proj]"])
     lora = apply_lora(load_model("tiny-test").model, cfg.model)
     assert sorted({name.rsplit(".", 1)[1] for name in lora.layers}) == ["q_proj", "v_proj"]
+    # The keys a resume checks against (no gather under FSDP) are the saved file's keys:
+    # A and B of the 2 layers x 2 projections, nothing else.
+    keys = lora.adapter_keys()
+    assert keys == set(lora.adapter_state()) and len(keys) == 2 * 2 * 2
 
 
 def test_engines_with_their_own_weights_get_the_merged_model_with_base_names(toy):

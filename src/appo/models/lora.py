@@ -160,6 +160,15 @@ class LoraPolicy:
         return get_peft_model_state_dict(self.peft, state_dict=self.snapshot().state,
                                          save_embedding_layers=False)
 
+    def adapter_keys(self) -> set[str]:
+        """The keys of `adapter_state()`, without gathering anything under FSDP (the names
+        depend on the model's structure only)."""
+        from peft import get_peft_model_state_dict
+
+        local = {k: v for k, v in self.peft.state_dict().items() if "lora_" in k}
+        return set(get_peft_model_state_dict(self.peft, state_dict=local,
+                                             save_embedding_layers=False))
+
     def load_adapter_state(self, state: dict[str, torch.Tensor], source: Any) -> None:
         """Load a PEFT adapter state dict (`adapter_model.safetensors`) saved by `save`.
         Under FSDP a collective; every rank passes the whole state (each keeps its shard)."""
@@ -173,7 +182,7 @@ class LoraPolicy:
                                            src_data_rank=None) if k in sharded else v)
                      for k, v in state.items()}
         result = set_peft_model_state_dict(self.peft, state)
-        expected = set(self.adapter_state())
+        expected = self.adapter_keys()
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected or set(state) != expected:
             missing = sorted(expected - set(state))
