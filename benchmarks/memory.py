@@ -11,6 +11,7 @@ accounting next to it: parameters, gradients, AdamW states, engine buffers.
     .venv/bin/python benchmarks/memory.py                       # demo settings
     .venv/bin/python benchmarks/memory.py --set actor.ppo_max_token_len_per_device=1024
     .venv/bin/python benchmarks/memory.py --variants base,"x:actor.foo=1"   # several, one run
+    .venv/bin/python benchmarks/memory.py --part1 --eval 0 --sft-steps 0   # train_step.py (1)
 
 Figures go to stdout as a Markdown table (and JSON with --json FILE); copy them into
 benchmarks/RESULTS.md with the command, date and machine.
@@ -130,7 +131,14 @@ def child(args) -> dict:
                  f"trainer.rollout_data_dir={tmp}/rl/rollouts", "trainer.logger=[jsonl]",
                  f"trainer.total_steps={args.steps}", f"sft.max_steps={args.sft_steps}",
                  *args.set]
-    cfg = demo_config(None, overrides)
+    if args.part1:  # benchmarks/train_step.py part (1): the library's defaults
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_step import appo_config
+
+        cfg = appo_config("smollm2-135m", True, 256, "arpo", tmp,
+                          extra=tuple(o for o in overrides if not o.startswith("sft.")))
+    else:
+        cfg = demo_config(None, overrides)
     base = rss_mb()
     with mem.phase("load"):
         from appo.models import load_model
@@ -199,6 +207,8 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="comma-separated NAME:key=value;key=value variants, each in a child")
     p.add_argument("--json", default="")
+    p.add_argument("--part1", action="store_true",
+                   help="benchmarks/train_step.py part (1)'s setting instead of the demo's")
     p.add_argument("--progress", default="", help="append each finished phase to this JSONL")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -216,6 +226,8 @@ def main() -> None:
     for name, sets in variants:
         cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps),
                "--sft-steps", str(args.sft_steps), "--eval", str(args.eval)]
+        if args.part1:
+            cmd.append("--part1")
         if args.progress:
             cmd += ["--progress", args.progress]
         for s in args.set + sets:

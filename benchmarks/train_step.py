@@ -60,7 +60,7 @@ def no_tool_prompts(out: str) -> str:
 
 
 def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: str,
-                prompts: int = 2, n: int = 8):
+                prompts: int = 2, n: int = 8, extra: tuple[str, ...] = ()):
     from appo.config import load_config
 
     train = ("synth:arith?split=train&levels=1,2,3&n=64" if tools else no_tool_prompts(out))
@@ -84,9 +84,9 @@ def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: 
         "actor.ppo_epochs=1",
         "trainer.total_steps=100",
         "trainer.logger=[]",
-        f"trainer.default_local_dir={out}",
+        f"trainer.default_local_dir={out}/run",  # `out` may hold the prompts file
     ]
-    return load_config(None, over)
+    return load_config(None, over + list(extra))
 
 
 def worker_appo(args) -> dict:
@@ -108,6 +108,7 @@ def worker_appo(args) -> dict:
                 m["wall"] = wall
                 steps.append(m)
         trainer.tools.close()
+        bounds = None if args.tools else step_bounds(trainer.model, steps)
     keys = ["wall", "time/rollout", "time/reward", "time/advantage", "time/update",
             "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/trajectories",
             "rollout/response_len", "rollout/tool_calls_per_traj", "actor/prefix_saving",
@@ -115,7 +116,53 @@ def worker_appo(args) -> dict:
     out = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     out["step_walls"] = [s["wall"] for s in steps]
     out["peak_rss_mb"] = peak_rss_mb()
+    if bounds:
+        out["bounds"] = bounds
     return out
+
+
+def gemm_gflops(m: int, k: int, n: int, backward: bool, repeats: int = 20) -> float:
+    """This machine's float32 matmul rate (GFLOP/s, median of `repeats`) at `[m, k] @ [k, n]`,
+    forward only or forward + both backward matmuls (what a trained linear layer costs)."""
+    import torch
+
+    x = torch.randn(m, k, requires_grad=backward)
+    w = torch.randn(n, k, requires_grad=backward)
+    rates = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        out = torch.nn.functional.linear(x, w)
+        if backward:
+            out.backward(torch.ones_like(out))
+        rates.append((6 if backward else 2) * m * k * n / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates[2:])
+
+
+def step_bounds(model, steps: list[dict]) -> dict:
+    """What bounds the GRPO step: the update's and the decode's matmul work (FLOPs from the
+    parameter counts; attention and elementwise work left out, so these are lower bounds)
+    against this machine's matmul rate at their shapes, measured here."""
+    emb = model.get_input_embeddings().weight
+    n_head = emb.numel()  # SmolLM2 ties the LM head to the embeddings
+    n_body = sum(p.numel() for p in model.parameters()) - n_head
+    hidden = emb.shape[1]
+    inter = getattr(model.config, "intermediate_size", 4 * hidden)
+    computed = statistics.median(s["actor/computed_tokens"] for s in steps)
+    rows = statistics.median(s["rollout/trajectories"] for s in steps)
+    response = rows * statistics.median(s["rollout/response_len"] for s in steps)
+    budget = int(min(computed, 1024))
+    update_gflop = 6 * (n_body * computed + n_head * response) / 1e9
+    decode_gflop = 2 * (n_body + n_head) * response / 1e9
+    train_rate = gemm_gflops(budget, hidden, inter, backward=True)
+    decode_rate = gemm_gflops(int(rows), hidden, inter, backward=False, repeats=200)
+    return {"update_gflop": update_gflop, "decode_gflop": decode_gflop,
+            "gemm_train_gflops": train_rate, "gemm_decode_gflops": decode_rate,
+            "gemm_train_shape": [budget, hidden, inter], "gemm_decode_shape": [int(rows),
+                                                                               hidden, inter],
+            "update_gflops_achieved": update_gflop / statistics.median(
+                s["time/update"] for s in steps),
+            "decode_floor_s": decode_gflop / decode_rate,
+            "update_floor_s": update_gflop / train_rate}
 
 
 def worker_trl(args) -> dict:
@@ -263,6 +310,25 @@ def write_results(part1: dict, appo2: dict, trl2: dict) -> None:
             f"{f(appo2['time/update'], 2)} s (shared-prefix forward skipped "
             f"{appo2['actor/prefix_saving']:.0%} of the rows' tokens).", "",
         ]
+        b = appo2.get("bounds")
+        if b:
+            floor = b["update_floor_s"] + b["decode_floor_s"]
+            lines += [
+                "What bounds the appo step (matmul work from the parameter counts, attention "
+                "and elementwise work left out; this machine's float32 matmul rate measured in "
+                "the same worker at the step's shapes):", "",
+                f"- update: {f(b['update_gflop'])} GFLOP in {f(appo2['time/update'], 2)} s = "
+                f"{f(b['update_gflops_achieved'])} GFLOP/s; matmul forward+backward at "
+                f"{b['gemm_train_shape']}: {f(b['gemm_train_gflops'])} GFLOP/s, so at least "
+                f"{f(b['update_floor_s'], 2)} s",
+                f"- decode: {f(b['decode_gflop'])} GFLOP (every sampled token through every "
+                f"weight); matmul at {b['gemm_decode_shape']}: {f(b['gemm_decode_gflops'])} "
+                f"GFLOP/s, so at least {f(b['decode_floor_s'], 2)} s (rollout measured "
+                f"{f(appo2['time/rollout'], 2)} s, prefill and sampling included)",
+                f"- a step at these matmul rates: {f(floor, 2)} s; TRL's median / that = "
+                f"{trl2['wall'] / floor:.2f}x, the most this step could gain over TRL without "
+                "doing less arithmetic", "",
+            ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines))
     print(f"wrote {RESULTS}")
