@@ -303,6 +303,10 @@ class SFTConfig:
     save_freq: int = -1
     max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
     output_dir: str | None = None  # null: a new runs/sft-YYYYmmdd-HHMMSS (as trainer.*)
+    # A batch's rows run in micro-batches of at most this many tokens (summed row lengths),
+    # gradients accumulated: the same step up to float rounding, with activations bounded.
+    # null: the whole batch at once (`appo sft`); `appo demo` uses the actor's token budget.
+    max_tokens_per_micro_batch: int | None = None
 
 
 @dataclass

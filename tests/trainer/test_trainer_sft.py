@@ -10,7 +10,12 @@ import torch
 
 from appo.config import SFTConfig
 from appo.models import load_model
-from appo.trainer.sft import evaluate_loss, masked_token_loss_sum, train_sft
+from appo.trainer.sft import (
+    evaluate_loss,
+    masked_token_loss_sum,
+    token_micro_batches,
+    train_sft,
+)
 
 
 @dataclass
@@ -80,6 +85,35 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     assert ra.train_loss[0] == pytest.approx(rb.train_loss[0], rel=1e-5)
     # (Parameters are not compared: Adam's first step is ~lr*sign(g), so float noise on
     # near-zero gradients flips signs and hides nothing the norm check does not catch.)
+
+
+def test_token_micro_batches_keep_order_and_the_budget():
+    rows = [Ex([0] * n, [1] * n) for n in (5, 4, 3, 9, 2, 2)]
+    lengths = [[len(r.input_ids) for r in mb] for mb in token_micro_batches(rows, 9)]
+    # 5+4 = 9 fits; 3 (+9 would be 12) alone; 9 alone; 2+2
+    assert lengths == [[5, 4], [3], [9], [2, 2]]
+    assert [[len(r.input_ids) for r in mb] for mb in token_micro_batches(rows, 4)] == \
+        [[5], [4], [3], [9], [2, 2]]  # a row over the budget goes alone
+    assert token_micro_batches(rows, None) == [rows]
+
+
+def test_token_budget_micro_batches_equal_the_whole_batch(tmp_path):
+    """`sft.max_tokens_per_micro_batch`: the batch in token-bounded pieces gives the whole
+    batch's loss and gradient norm (the loss is normalised by the step's tokens either way)."""
+    lm = load_model("tiny-test")
+    train = _examples(lm.tokenizer, 4)
+    train[0] = Ex(train[0].input_ids + train[0].input_ids[-6:], train[0].loss_mask + [1] * 6)
+    a, b = copy.deepcopy(lm.model), copy.deepcopy(lm.model)
+    common = dict(epochs=1, lr=1e-2, warmup_ratio=0.0, grad_clip=1e9, batch_size=4)
+    budget = len(train[0].input_ids) + len(train[1].input_ids)
+    assert len(token_micro_batches(train, budget)) == 2  # the rows are split
+    ra = train_sft(a, lm.tokenizer, train, SFTConfig(output_dir=str(tmp_path / "a"), **common),
+                   seed=0, progress=False)
+    rb = train_sft(b, lm.tokenizer, train,
+                   SFTConfig(output_dir=str(tmp_path / "b"), max_tokens_per_micro_batch=budget,
+                             **common), seed=0, progress=False)
+    assert ra.grad_norms[0] == pytest.approx(rb.grad_norms[0], rel=1e-5)
+    assert ra.train_loss[0] == pytest.approx(rb.train_loss[0], rel=1e-5)
 
 
 def test_bfloat16_loss_over_float32_masters_matches_the_bfloat16_model():

@@ -146,6 +146,7 @@ def results_table(stages: list[StageResult]) -> str:
 
 def _sft_stage(trainer, cfg) -> Any:
     from appo.data.sft import sft_data_from_config
+    from appo.trainer.memory import trim_freed_memory
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.rundir import prepare_run_dir
     from appo.trainer.sft import train_sft
@@ -157,11 +158,14 @@ def _sft_stage(trainer, cfg) -> Any:
     if not data.examples:
         raise AppoError("sft.train_files produced no demonstrations")
     logger = MetricsLogger(cfg.sft.output_dir, [x for x in cfg.trainer.logger if x == "jsonl"])
+    if cfg.sft.max_tokens_per_micro_batch is None:  # the RL update's budget (from memory)
+        cfg.sft.max_tokens_per_micro_batch = trainer.cfg.actor.ppo_max_token_len_per_device
     result = train_sft(trainer.model, trainer.tokenizer, data.examples,
                        cfg.sft, seed=cfg.trainer.seed, logger=logger,
                        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                        lora=trainer.lora, save_merged=cfg.model.lora_save_merged)
     logger.close()
+    trim_freed_memory()  # SFT's AdamW states and activations, before RL allocates its own
     # The weights changed outside the RL loop: engines with their own copy (vllm, the LoRA
     # merged model) reload before the next evaluation.
     trainer._rollout_stale = True

@@ -40,6 +40,24 @@ class SFTResult:
     checkpoint: Path | None = None
 
 
+def token_micro_batches(rows: list[TokenExample], max_tokens: int | None
+                        ) -> list[list[TokenExample]]:
+    """`rows` in order, cut into runs whose summed lengths stay within `max_tokens` (a row
+    longer than that alone); one run when `max_tokens` is None."""
+    if not max_tokens:
+        return [rows]
+    out: list[list[TokenExample]] = []
+    size = 0
+    for row in rows:
+        if out and size + len(row.input_ids) <= max_tokens:
+            out[-1].append(row)
+            size += len(row.input_ids)
+        else:
+            out.append([row])
+            size = len(row.input_ids)
+    return out
+
+
 def masked_token_loss_sum(model, examples: list[TokenExample], pad_id: int,
                           share_prefix: bool = True, chunk_size: int = 128,
                           compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
@@ -161,11 +179,13 @@ def train_sft(
             optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
             for m in range(0, len(window), params.batch_size):
-                loss_sum, _ = masked_token_loss_sum(model, window[m : m + params.batch_size],
-                                                    pad_id, compute_dtype=compute_dtype)
-                loss = loss_sum / max(step_tokens, 1)
-                loss.backward()
-                loss_total += float(loss.detach())
+                for micro in token_micro_batches(window[m : m + params.batch_size],
+                                                 params.max_tokens_per_micro_batch):
+                    loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
+                                                        compute_dtype=compute_dtype)
+                    loss = loss_sum / max(step_tokens, 1)
+                    loss.backward()
+                    loss_total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip)
             optimizer.step()
             scheduler.step()
