@@ -45,6 +45,27 @@ def test_saved_bytes_exclude_parameters():
     assert 0 < one < params / 4
 
 
+def test_counting_saved_bytes_frees_the_graph():
+    """The probe's graph dies with it. Its pack hook once returned the tensor itself, a
+    cycle through the C++ graph that gc cannot break: every probe kept all its activations
+    for the rest of the run (~500 MB on SmolLM2). A forward hook holds weak references to
+    layer outputs (which autograd saves for the next layer); all must be dead afterwards."""
+    import gc
+    import weakref
+
+    model = load_model("tiny-test").model.train()
+    refs = []
+    hooks = [layer.register_forward_hook(
+        lambda _m, _i, out: refs.append(weakref.ref(out[0] if isinstance(out, tuple) else out)))
+        for layer in model.model.layers]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    assert memory.saved_bytes(model, _ids(2, 16, vocab), torch.full((2,), 16)) > 0
+    for h in hooks:
+        h.remove()
+    gc.collect()
+    assert len(refs) == 2 and all(r() is None for r in refs)
+
+
 def test_pending_optimizer_bytes_by_hand():
     """Before the first step: one gradient and two AdamW moments per trainable float32
     element (4 bytes each); after it, all three exist and nothing is pending."""

@@ -61,7 +61,11 @@ def saved_bytes(model, ids: torch.Tensor, lengths: torch.Tensor) -> int:
         ptr = storage.data_ptr()
         if ptr not in params:
             seen[ptr] = storage.nbytes()
-        return t
+        # Detached: the same storage (kept until the graph goes, so no pointer is reused and
+        # counted once for two tensors) without its grad_fn. Returning `t` itself made a
+        # cycle through the C++ graph that Python's collector cannot see: every probe leaked
+        # its whole graph (hundreds of MB on SmolLM2, for the rest of the run).
+        return t.detach()
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden = final_hidden_states(model, ids, lengths, share_prefix=False)
