@@ -153,6 +153,24 @@ def test_bad_target_is_one_line(toy):
         RLTrainer(cfg, progress=False)
 
 
+def _loss_and_grads_of_both(plain, lean):
+    """(ids, lengths, [(loss, {name: grad}) for plain, lean]) of one float64 forward +
+    backward of 3 rows of different lengths through `final_hidden_states`."""
+    from appo.trainer.forward import final_hidden_states
+
+    vocab = plain.get_input_embeddings().weight.shape[0]
+    ids, lengths = _ids(3, 40, vocab), torch.tensor([40, 33, 17])
+    results = []
+    for model in (plain, lean):
+        hidden = final_hidden_states(model, ids, lengths)
+        loss = (hidden.sin() * torch.linspace(-1, 1, hidden.shape[-1],
+                                              dtype=torch.float64)).sum()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.requires_grad}))
+    return ids, lengths, results
+
+
 def test_lean_mlp_same_values_and_gradients_fewer_saved_bytes():
     """float64: the lean SwiGLU path gives the module path's loss and every gradient (to
     rounding), and saves exactly two `[tokens, I]` tensors less per layer: silu(gate) and
@@ -162,20 +180,11 @@ def test_lean_mlp_same_values_and_gradients_fewer_saved_bytes():
     plain = load_model("tiny-test").model.to(torch.float64).train()
     lean = copy.deepcopy(plain)
     assert memory.lean_mlp_activations(lean) == 2
-    vocab = plain.get_input_embeddings().weight.shape[0]
-    ids, lengths = _ids(3, 40, vocab), torch.tensor([40, 33, 17])
-    grads = []
-    for model in (plain, lean):
-        from appo.trainer.forward import final_hidden_states
-
-        hidden = final_hidden_states(model, ids, lengths)
-        loss = (hidden.sin() * torch.linspace(-1, 1, hidden.shape[-1],
-                                              dtype=torch.float64)).sum()
-        loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
-    for a, b in zip(grads[0][1], grads[1][1], strict=True):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    ids, _, results = _loss_and_grads_of_both(plain, lean)
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    assert results[0][1].keys() == results[1][1].keys()
+    for name, grad in results[0][1].items():
+        assert torch.allclose(grad, results[1][1][name], rtol=1e-10, atol=1e-12), name
     saved = [memory.saved_bytes(m, ids, torch.full((3,), 40)) for m in (plain, lean)]
     assert saved[0] - saved[1] == 3 * 40 * 4096
 
@@ -192,7 +201,6 @@ def test_lean_mlp_with_lora_same_values_and_gradients_fewer_saved_bytes():
     from omegaconf import OmegaConf
 
     from appo.models.lora import apply_lora
-    from appo.trainer.forward import final_hidden_states
 
     cfg = OmegaConf.create({"lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
                             "target_modules": "all-linear", "path": ""})
@@ -204,16 +212,7 @@ def test_lean_mlp_with_lora_same_values_and_gradients_fewer_saved_bytes():
                 p.normal_(0, 0.05)
     lean = copy.deepcopy(plain)
     assert memory.lean_mlp_activations(lean) == 2
-    vocab = plain.get_input_embeddings().weight.shape[0]
-    ids, lengths = _ids(3, 40, vocab), torch.tensor([40, 33, 17])
-    results = []
-    for model in (plain, lean):
-        hidden = final_hidden_states(model, ids, lengths)
-        loss = (hidden.sin() * torch.linspace(-1, 1, hidden.shape[-1],
-                                              dtype=torch.float64)).sum()
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((loss.detach(), grads, hidden.grad_fn))
+    ids, _, results = _loss_and_grads_of_both(plain, lean)
     assert torch.allclose(results[0][0], results[1][0], rtol=1e-12, atol=0)
     assert results[0][1].keys() == results[1][1].keys()
     assert any("mlp.down_proj.lora_A" in n for n in results[0][1])
