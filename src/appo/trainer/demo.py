@@ -18,6 +18,7 @@ the RL stage alone.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -158,10 +159,12 @@ def _sft_stage(trainer, cfg) -> Any:
     if not data.examples:
         raise AppoError("sft.train_files produced no demonstrations")
     logger = MetricsLogger(cfg.sft.output_dir, [x for x in cfg.trainer.logger if x == "jsonl"])
-    if cfg.sft.max_tokens_per_micro_batch is None:  # the RL update's budget (from memory)
-        cfg.sft.max_tokens_per_micro_batch = trainer.cfg.actor.ppo_max_token_len_per_device
+    sft = cfg.sft
+    if sft.max_tokens_per_micro_batch is None:  # the RL update's budget (from memory)
+        sft = copy.deepcopy(sft)  # a copy: the run's config (saved with RL checkpoints) keeps null
+        sft.max_tokens_per_micro_batch = trainer.cfg.actor.ppo_max_token_len_per_device
     result = train_sft(trainer.model, trainer.tokenizer, data.examples,
-                       cfg.sft, seed=cfg.trainer.seed, logger=logger,
+                       sft, seed=cfg.trainer.seed, logger=logger,
                        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                        lora=trainer.lora, save_merged=cfg.model.lora_save_merged)
     logger.close()
