@@ -278,6 +278,11 @@ class TrainerConfig:
     rollout_data_dir: str | None = None
     resume: bool = False
     overwrite: bool = False
+    # glibc only: allocations of at least this many KB get their own mapping, returned to the
+    # system when freed (mallopt M_MMAP_THRESHOLD). glibc's default raises its threshold up
+    # to 32 MB as large blocks are freed, after which freed activations stay in the heap as
+    # resident high-water (benchmarks/RESULTS.md). null: glibc's default.
+    mmap_threshold_kb: int | None = 128
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
     # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.

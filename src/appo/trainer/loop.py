@@ -39,7 +39,12 @@ from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
-from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
+from appo.trainer.memory import (
+    apply_memory_target,
+    memory_options,
+    set_mmap_threshold,
+    trim_freed_memory,
+)
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import discard_unused_run_dir
@@ -358,6 +363,7 @@ class RLTrainer:
         # Under FSDP the engine samples from a whole replica, synced after each update.
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         memory_options(self.model, cfg.actor, self.fsdp)
+        set_mmap_threshold(cfg.trainer.mmap_threshold_kb)
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)

@@ -170,6 +170,20 @@ def _libc():
         return None
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def set_mmap_threshold(kb: int | None) -> bool:
+    """Allocations of at least `kb` KB get their own mapping, unmapped when freed (glibc
+    `mallopt(M_MMAP_THRESHOLD)`, which also stops glibc raising the threshold itself), so
+    freed activations do not stay resident as heap. False when not applied (None, or no
+    glibc)."""
+    lib = _libc()
+    if kb is None or lib is None:
+        return False
+    return bool(lib.mallopt(M_MMAP_THRESHOLD, int(kb) * 1024))
+
+
 def trim_freed_memory() -> None:
     """Collect garbage and hand the allocator's free pages back to the system (glibc)."""
     gc.collect()
