@@ -31,10 +31,9 @@ def _sft(args: argparse.Namespace) -> int:
     lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
     torch.manual_seed(cfg.trainer.seed)  # the LoRA adapter's initialisation
     lora = apply_lora(lm.model, cfg.model)  # None: full fine-tuning
-    from appo.trainer.memory import memory_options, set_mmap_threshold  # as in RL
+    from appo.trainer.memory import memory_options  # the same savings as in RL
 
-    memory_options(lm.model, cfg.actor, fsdp=False)
-    set_mmap_threshold(cfg.trainer.mmap_threshold_kb)
+    memory_options(lm.model, cfg.actor, fsdp=False, mmap_threshold_kb=cfg.trainer.mmap_threshold_kb)
     train = sft_data_from_config(cfg, lm.tokenizer, "train")
     if not train.examples:
         raise AppoError("sft.train_files produced no examples")

@@ -39,12 +39,7 @@ from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
-from appo.trainer.memory import (
-    apply_memory_target,
-    memory_options,
-    set_mmap_threshold,
-    trim_freed_memory,
-)
+from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import discard_unused_run_dir
@@ -360,10 +355,8 @@ class RLTrainer:
             self.model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
-        # Under FSDP the engine samples from a whole replica, synced after each update.
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
-        memory_options(self.model, cfg.actor, self.fsdp)
-        set_mmap_threshold(cfg.trainer.mmap_threshold_kb)
+        memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb)
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)
@@ -372,6 +365,7 @@ class RLTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
             if self.compute_dtype is not None:  # a frozen copy needs no float32 master
                 self.ref_model.to(self.compute_dtype)
+        # Under FSDP the engine samples from a whole replica, synced after each update.
         self.rollout_model = self.model
         self._rollout_stale = False
         if self.lora is not None:  # under FSDP built whole before sharding, merged per unit

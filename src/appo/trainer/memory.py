@@ -295,10 +295,12 @@ def lean_mlp_activations(model) -> int:
     return n
 
 
-def memory_options(model, actor, fsdp: bool) -> None:
-    """The actor's memory options that change how `model` computes, not what:
+def memory_options(model, actor, fsdp: bool, mmap_threshold_kb: int | None = None) -> None:
+    """The memory options that change how `model` computes, not what:
     `lean_mlp_activations` (not under FSDP, whose wrapped modules it would bypass) and
-    `sdpa_gqa` (CPU only, `appo.models.sdpa_gqa`)."""
+    `sdpa_gqa` (CPU only, `appo.models.sdpa_gqa`); and the allocator's
+    `trainer.mmap_threshold_kb` (`set_mmap_threshold`)."""
+    set_mmap_threshold(mmap_threshold_kb)
     if actor.lean_mlp_activations and not fsdp:
         lean_mlp_activations(model)
     if actor.sdpa_gqa:
