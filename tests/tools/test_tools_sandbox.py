@@ -530,3 +530,14 @@ def test_other_sandboxes_processes_do_not_count_against_the_process_limit():
         os.remove(stop)
         os.rmdir(shared)
     assert results["busy"].text == "busy done"
+
+
+@pytest.mark.parametrize("uid", [True, 0, -5, "nobody", 2**32])
+def test_a_bad_sandbox_uid_is_one_clear_error(uid):
+    # `sandbox_uid: true` in YAML is a bool, which Python counts as the int 1: it must be
+    # refused like any other value that is not auto, null or a uid > 0.
+    from appo.errors import AppoError
+    from appo.tools.sandbox.host import Sandbox
+
+    with pytest.raises(AppoError, match="bad sandbox_uid"):
+        Sandbox(drop_uid=uid)

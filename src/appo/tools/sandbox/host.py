@@ -179,7 +179,9 @@ class Sandbox:
 
             raise AppoError(f"bad sandbox isolation {isolation!r} (choose auto or rlimits)")
         if not (drop_uid is None or drop_uid == "auto"
-                or (isinstance(drop_uid, int) and 0 < drop_uid < 2**32 - 1)):
+                # a YAML `true` is an int to Python (uid 1): refuse it, as any typo
+                or (isinstance(drop_uid, int) and not isinstance(drop_uid, bool)
+                    and 0 < drop_uid < 2**32 - 1)):
             from appo.errors import AppoError
 
             raise AppoError(f"bad sandbox_uid {drop_uid!r} (auto, null or a uid > 0)")
