@@ -82,7 +82,7 @@ def test_resume_runs_only_missing_pairs(tmp_path, monkeypatch):
                  for p in [("grpo", 1), ("arpo", 1)]}
     # The restart runs exactly the two unfinished pairs; the finished ones are left alone.
     calls.clear()
-    assert run_comparison(spec, run=counting) == [("grpo", 2), ("arpo", 2)]
+    assert run_comparison(spec, run=counting) == ([("grpo", 2), ("arpo", 2)], [])
     assert calls == [("grpo", 2, "partial"), ("arpo", 2, "missing")]
     for p, mtime in untouched.items():
         assert (spec.run_dir(*p) / RESULT_FILE).stat().st_mtime_ns == mtime
@@ -92,7 +92,7 @@ def test_resume_runs_only_missing_pairs(tmp_path, monkeypatch):
     assert [json.loads(r)["step"] for r in rows] == [1]
     # Everything done: a third invocation runs nothing.
     calls.clear()
-    assert run_comparison(spec, run=counting) == [] and calls == []
+    assert run_comparison(spec, run=counting) == ([], []) and calls == []
     report = write_report(spec, resamples=200).read_text()
     assert "Finished pairs: 4 of 4." in report and "grpo - arpo" in report
 
@@ -214,3 +214,44 @@ def test_eval_start_refuses_a_variant_named_start(tmp_path):
         "sets": {"toy": f"{tmp_path / 'toy.jsonl'}?n=3"}, "start": True}})
     with pytest.raises(AppoError, match="a variant is named 'start'"):
         load_spec(path)
+
+
+def test_a_pair_held_by_another_process_is_passed_over(tmp_path):
+    # Another `appo compare` holding (grpo, 1) - here, an flock taken on a descriptor of our
+    # own, which the kernel treats like another process's - is passed over, the rest run.
+    # Released, the pair runs on the next invocation.
+    spec = load_spec(write_spec(tmp_path))
+    calls: list[tuple[str, int]] = []
+
+    def fake(spec_, variant, seed, progress=True):
+        calls.append((variant, seed))
+        _fake_result(spec_, variant, seed, [1.0, 0.0, 1.0], [1, 0, 2])
+
+    with runner.held_lock(runner.lock_path(spec, "grpo-seed1")) as mine:
+        assert mine
+        with runner.held_lock(runner.lock_path(spec, "grpo-seed1")) as other:
+            assert not other  # the lock excludes a second holder, as it will in run_comparison
+        ran, held = run_comparison(spec, run=fake)
+    assert held == [("grpo", 1)] and ("grpo", 1) not in ran
+    assert sorted(ran) == sorted([("arpo", 1), ("grpo", 2), ("arpo", 2)])
+    assert pair_state(spec, "grpo", 1) == "missing"
+    calls.clear()
+    assert run_comparison(spec, run=fake) == ([("grpo", 1)], []) and calls == [("grpo", 1)]
+
+
+def test_cli_jobs_runs_every_pair_once_in_parallel_processes(tmp_path):
+    path = write_spec(tmp_path, seeds=(1,))
+    spec = load_spec(path)
+    result = run_cli("compare", str(path), "--jobs", "2", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [pair_state(spec, v, s) for v, s in spec.pairs()] == ["done", "done"]
+    for v, s in spec.pairs():  # each pair trained once: one step, one metrics row
+        rows = (spec.run_dir(v, s) / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in rows] == [1]
+    assert "Finished pairs: 2 of 2." in (spec.output_dir / "report" / "report.md").read_text()
+
+
+def test_cli_jobs_below_one_is_one_clear_error(tmp_path):
+    result = run_cli("compare", str(write_spec(tmp_path)), "--jobs", "0")
+    assert result.returncode != 0 and "--jobs 0" in result.stderr
+    assert "Traceback" not in result.stderr

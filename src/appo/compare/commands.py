@@ -1,17 +1,54 @@
-"""`appo compare SPEC.yaml [--report] [--dry-run]` (appo.compare)."""
+"""`appo compare SPEC.yaml [--report] [--dry-run] [--jobs N]` (appo.compare)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _write_report(spec) -> Path:
+    from appo.compare.report import write_report
+    from appo.compare.runner import held_lock, lock_path
+
+    # Processes of one spec (--jobs) finish pairs at any time: one report writer at a time.
+    with held_lock(lock_path(spec, "report"), wait=True):
+        path = write_report(spec)
+    return path
+
+
+def _run_jobs(args: argparse.Namespace, spec) -> int:
+    """`--jobs N`: N `appo compare` processes on the spec, each running the pairs nobody
+    holds (runner.py: pair locks), torch threads split between them; then the report."""
+    from appo.compare.runner import pair_state
+
+    env = dict(os.environ)
+    # Small models decode faster as N one-thread processes than as one N-thread process.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
+    cmd = [sys.executable, "-m", "appo.cli", "compare", str(args.spec), "--worker"]
+    procs = [subprocess.Popen(cmd, env=env) for _ in range(args.jobs)]
+    codes = [p.wait() for p in procs]
+    path = _write_report(spec)
+    left = [f"{v}/seed{s}" for v, s in spec.pairs() if pair_state(spec, v, s) != "done"]
+    print(f"appo compare: report {path}")
+    if any(codes):
+        print(f"appo compare: {sum(c != 0 for c in codes)} of {args.jobs} jobs failed "
+              f"(exit codes {codes}); unfinished: {', '.join(left) or 'none'}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from appo.compare.report import write_report
     from appo.compare.runner import check_eval_sets, pair_state, run_comparison
     from appo.compare.spec import load_spec
+    from appo.errors import AppoError
 
     spec = load_spec(args.spec)
-    if not args.report:
+    if args.jobs < 1:
+        raise AppoError(f"--jobs {args.jobs}: give a number of processes >= 1")
+    if not args.report and not args.worker:
         sizes = check_eval_sets(spec)
         print("appo compare: eval sets " + ", ".join(f"{k} ({n} questions)"
                                                      for k, n in sizes.items()))
@@ -27,10 +64,17 @@ def _compare(args: argparse.Namespace) -> int:
         for v, s in spec.pairs():
             print(f"  {v} seed {s}: {pair_state(spec, v, s)} ({spec.run_dir(v, s)})")
         return 0
+    if not args.report and args.jobs > 1:
+        return _run_jobs(args, spec)
     if not args.report:
-        ran = run_comparison(spec, after_each=lambda: write_report(spec))
-        print(f"appo compare: ran {len(ran)} pair(s); every pair is done")
-    path = write_report(spec)
+        ran, held = run_comparison(spec, after_each=lambda: _write_report(spec),
+                                   progress=not args.worker)
+        if held:
+            print(f"appo compare: ran {len(ran)} pair(s); {len(held)} held by other processes "
+                  "(they write the report as theirs finish)")
+        else:
+            print(f"appo compare: ran {len(ran)} pair(s); every pair is done")
+    path = _write_report(spec)
     print(f"appo compare: report {path}")
     return 0
 
@@ -43,4 +87,9 @@ def register(sub) -> None:
                    help="only write the report from the pairs finished so far")
     p.add_argument("--dry-run", action="store_true",
                    help="check the spec (budgets) and show each pair's state; run nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run pairs in N processes at once (torch threads split between "
+                        "them unless OMP_NUM_THREADS is set); default 1")
+    # A process started by --jobs: no progress bars (they would interleave), no eval-set check.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler=_compare)

@@ -9,6 +9,12 @@ moment and started again:
 - `missing`: nothing usable (no directory, or one with no checkpoint yet): a fresh run
   (an unfinished directory without a checkpoint is replaced, `trainer.overwrite=true`).
 
+Several `appo compare` processes may run one spec at once (`--jobs N` starts them; a second
+command started by hand is the same): a process works on a pair only while it holds the
+pair's lock, an exclusive `flock` on `output_dir/.locks/<variant>-seed<N>.lock`, and passes
+over pairs another process holds. The kernel drops a lock when its holder dies, so a killed
+run never leaves one behind, and two processes never write one run directory.
+
 Evaluation per set (`PairResult`): greedy pass@1 (one answer at temperature 0) and sampled
 pass@k (k answers at `eval.temperature`; a question counts when any is correct), per question
 so the report can pair questions across variants. The evaluation seed depends on the run's
@@ -17,10 +23,13 @@ seed only, so every variant of a seed answers under the same sampling seed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,20 +194,54 @@ def check_eval_sets(spec: CompareSpec) -> dict[str, int]:
     return sizes
 
 
+@contextlib.contextmanager
+def held_lock(path: Path, wait: bool = False) -> Iterator[bool]:
+    """An exclusive `flock` on `path` for the block: yields True when this process holds it,
+    False when another one does (`wait=False`); with `wait`, blocks until it is free."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True  # closing the descriptor (finally) releases the lock
+    finally:
+        os.close(fd)
+
+
+def lock_path(spec: CompareSpec, name: str) -> Path:
+    # Beside the run directories, not in one: a fresh run replaces its directory
+    # (`trainer.overwrite`), which would unlink a lock file held inside it.
+    return spec.output_dir / ".locks" / f"{name}.lock"
+
+
 def run_comparison(spec: CompareSpec, run: Callable[..., Any] = run_pair,
                    after_each: Callable[[], Any] | None = None,
-                   progress: bool = True) -> list[tuple[str, int]]:
-    """Run every pair that is not done, in `spec.pairs()` order; returns the pairs run.
-    `after_each` (e.g. rewriting the report) is called after every finished pair."""
-    ran = []
+                   progress: bool = True) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Run every pair that is not done and that no other `appo compare` process holds, in
+    `spec.pairs()` order. Returns (pairs run, pairs passed over because another process
+    held them). `after_each` (e.g. rewriting the report) is called after every finished
+    pair."""
+    ran, held = [], []
     for variant, seed in spec.pairs():
-        state = pair_state(spec, variant, seed)
-        if state == "done":
+        if pair_state(spec, variant, seed) == "done":
             continue
-        print(f"appo compare: {variant} seed {seed} ({'resuming' if state == 'partial' else 'new'})",
-              flush=True)
-        run(spec, variant, seed, progress=progress)
+        with held_lock(lock_path(spec, f"{variant}-seed{seed}")) as mine:
+            if not mine:
+                print(f"appo compare: {variant} seed {seed} is being run by another appo "
+                      "compare process; passed over", flush=True)
+                held.append((variant, seed))
+                continue
+            # Read again under the lock: another process may have finished it meanwhile.
+            state = pair_state(spec, variant, seed)
+            if state == "done":
+                continue
+            print(f"appo compare: {variant} seed {seed} "
+                  f"({'resuming' if state == 'partial' else 'new'})", flush=True)
+            run(spec, variant, seed, progress=progress)
         ran.append((variant, seed))
         if after_each is not None:
             after_each()
-    return ran
+    return ran, held
