@@ -14,7 +14,7 @@ script run:
     then the median of 3 steps; the ratio TRL / appo is the speed-up.
 
 TRL is a benchmark-only extra (`pip install -e '.[bench]'`, or `make bench`); without it
-part (2) reports that TRL is missing. Torch uses 2 threads in both children.
+part (2) reports that TRL is missing. Torch uses 2 threads in both children (`--threads`).
 
     .venv/bin/python benchmarks/train_step.py            # full run, writes results/train_step.md
     .venv/bin/python benchmarks/train_step.py --quick    # tiny-test model, 1 timed step, no write
@@ -94,22 +94,26 @@ def worker_appo(args) -> dict:
 
     from appo.trainer.loop import RLTrainer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = appo_config(args.model, args.tools, args.response_len, args.strategy, tmp)
+        cfg = appo_config(args.model, args.tools, args.response_len, args.strategy, tmp,
+                          extra=tuple(args.set))
         trainer = RLTrainer(cfg, progress=False)
         steps = []
         for i in range(1 + args.steps):
-            t0 = time.perf_counter()
+            t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             m = trainer.train_step()
-            wall = time.perf_counter() - t0
+            wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
             trainer.step += 1
             if i > 0:  # the first step warms up allocators and the sandbox
-                m["wall"] = wall
+                # CPU seconds of this process (the sandbox's children excluded): on a
+                # shared machine a steadier measure of work than the wall clock.
+                m.update(wall=wall, cpu_user=r1.ru_utime - r0.ru_utime,
+                         cpu_sys=r1.ru_stime - r0.ru_stime)
                 steps.append(m)
         trainer.tools.close()
         bounds = None if args.tools else step_bounds(trainer.model, steps)
-    keys = ["wall", "time/rollout", "time/reward", "time/advantage", "time/update",
+    keys = ["wall", "cpu_user", "cpu_sys", "time/rollout", "time/reward", "time/advantage", "time/update",
             "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/trajectories",
             "rollout/response_len", "rollout/tool_calls_per_traj", "actor/prefix_saving",
             "actor/computed_tokens"]
@@ -168,7 +172,7 @@ def step_bounds(model, steps: list[dict]) -> dict:
 def worker_trl(args) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     try:
         from datasets import Dataset
         from transformers import TrainerCallback
@@ -240,6 +244,9 @@ def main() -> None:
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--strategy", default="grpo")
     p.add_argument("--tools", action="store_true")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the workers")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="appo config override for the appo workers (repeatable)")
     p.add_argument("--part1-json", help="reuse part (1) from an earlier run (its printed JSON)")
     args = p.parse_args()
     if args.worker:
@@ -248,14 +255,15 @@ def main() -> None:
         return
     model = "tiny-test" if args.quick else args.model
     steps = "1" if args.quick else str(args.steps)
-    common = ["--model", model, "--steps", steps]
+    common = ["--model", model, "--steps", steps, "--threads", str(args.threads)]
+    appo_common = common + [f"--set={x}" for x in args.set]
     if args.part1_json:
         part1 = json.loads(Path(args.part1_json).read_text())
     else:
-        part1 = run_child("appo", common + ["--response-len", "256", "--strategy", "arpo",
+        part1 = run_child("appo", appo_common + ["--response-len", "256", "--strategy", "arpo",
                                             "--tools"])
     print("part 1 (appo, arpo + python, 16 x 256):", json.dumps(part1), flush=True)
-    appo2 = run_child("appo", common + ["--response-len", "64", "--strategy", "grpo"])
+    appo2 = run_child("appo", appo_common + ["--response-len", "64", "--strategy", "grpo"])
     print("part 2 appo:", json.dumps(appo2), flush=True)
     trl2 = run_child("trl", common + ["--response-len", "64"])
     print("part 2 trl:", json.dumps(trl2), flush=True)

@@ -281,8 +281,10 @@ class TrainerConfig:
     # glibc only: allocations of at least this many KB get their own mapping, returned to the
     # system when freed (mallopt M_MMAP_THRESHOLD). glibc's default raises its threshold up
     # to 32 MB as large blocks are freed, after which freed activations stay in the heap as
-    # resident high-water (benchmarks/RESULTS.md). null: glibc's default.
-    mmap_threshold_kb: int | None = 128
+    # resident high-water. 128 lowers the RL step's peak by ~0.6 GB but every large tensor
+    # then maps fresh zeroed pages: the update takes ~30% longer (benchmarks/RESULTS.md), so
+    # it is an option (the demo sets it). null: glibc's default.
+    mmap_threshold_kb: int | None = None
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
     # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.

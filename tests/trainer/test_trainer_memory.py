@@ -67,14 +67,14 @@ def test_counting_saved_bytes_frees_the_graph():
 
 
 def test_trainer_sets_the_mmap_threshold(toy, monkeypatch):
-    """`trainer.mmap_threshold_kb` reaches glibc's mallopt (128 KB by default; null leaves
-    glibc's own dynamic threshold alone)."""
+    """`trainer.mmap_threshold_kb` reaches glibc's mallopt (null by default: glibc's own
+    dynamic threshold; the demo sets 128)."""
     calls, real = [], memory.set_mmap_threshold
     monkeypatch.setattr(memory, "set_mmap_threshold", lambda kb: calls.append(kb) or True)
     RLTrainer(toy_config(toy)).tools.close()
-    RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=null",
+    RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=128",
                          "trainer.overwrite=true")).tools.close()
-    assert calls == [128, None]
+    assert calls == [None, 128]
     if memory._libc() is not None:  # glibc accepts the setting
         assert real(128) is True
     assert real(None) is False
@@ -364,3 +364,33 @@ def test_under_fsdp_the_cap_is_skipped_and_a_target_refused():
     actor = ActorConfig(max_memory_gb=3.0)
     with pytest.raises(AppoError, match="max_memory_gb is not supported with trainer.paral"):
         memory.apply_memory_target(actor, model, opt, DataParallel(), fsdp=True)
+
+
+def test_gradients_allocated_before_the_first_micro_batch_change_no_value(monkeypatch):
+    """`update_policy` allocates the gradients (zeros) before its first micro-batch, so they
+    do not land between freed activations (`zero_grads_first`, a heap-layout matter). Two
+    mini-batches of several micro-batches each: the weights after the update equal bit for
+    bit those of the old path, where the first backward allocated them (0 + g == g)."""
+    from test_trainer_rl import _fixed_rows
+
+    from appo.config import ActorConfig
+    from appo.trainer import update
+
+    def run():
+        lm = load_model("tiny-test")
+        opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+        m = update.update_policy(lm.model, opt, _fixed_rows(lm.tokenizer, n=8),
+                                 ActorConfig(ppo_mini_batch_size=4,
+                                             ppo_max_token_len_per_device=64),
+                                 max_response_length=384)
+        return m, {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+
+    new_metrics, new = run()
+    monkeypatch.setattr(update, "zero_grads_first",
+                        lambda params: [setattr(p, "grad", None) for p in params])
+    old_metrics, old = run()
+    assert new_metrics["actor/grad_norm"] == old_metrics["actor/grad_norm"]
+    assert any(not torch.equal(new[n], load_model("tiny-test").model.state_dict()[n])
+               for n in new)  # the update moved the weights
+    for name in new:
+        assert torch.equal(new[name], old[name]), name

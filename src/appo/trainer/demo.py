@@ -63,6 +63,9 @@ DEMO_OVERRIDES = [
     # The update's micro-batch budget from a memory target (appo.trainer.memory): the demo
     # aims at a laptop, so the whole process should stay under 4 GB.
     "actor.max_memory_gb=3.5",
+    # Freed activations returned to the system at once instead of kept as glibc heap: ~0.6
+    # GB lower peak for a slower update (benchmarks/RESULTS.md); the laptop wants the memory.
+    "trainer.mmap_threshold_kb=128",
     "eval.k=1",
     "eval.temperature=0.0",
     "eval.max_response_length=160",

@@ -139,6 +139,19 @@ def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
     return out
 
 
+def zero_grads_first(params: list[torch.Tensor]) -> None:
+    """Zero every gradient, allocating the missing ones now, before any activation: the
+    gradients live through the whole update, and allocated by the first backward they land
+    between freed activations and split the heap, so later micro-batches' activations no
+    longer fit the holes and the heap grows (glibc). Accumulating into zeros gives the same
+    values as a first backward that assigns."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+
+
 def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
                   dp: DataParallel | None = None, scheduler=None,
                   fsdp: bool = False, temperature: float = 1.0,
@@ -189,7 +202,10 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
             # FSDP gathers shards in every forward: all ranks must run as many (decided
             # before any of them runs, or the collectives would interleave).
             n_passes = dp.max_int(len(plan.batches)) if fsdp else len(plan.batches)
-            optimizer.zero_grad(set_to_none=True)
+            if fsdp:  # sharded gradients: FSDP allocates them itself
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                zero_grads_first(params)
             for mb_idx in plan.batches:
                 # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
