@@ -31,9 +31,9 @@ def _run_jobs(args: argparse.Namespace, spec) -> int:
     procs = [subprocess.Popen(cmd, env=env) for _ in range(args.jobs)]
     codes = [p.wait() for p in procs]
     path = _write_report(spec)
-    left = [f"{v}/seed{s}" for v, s in spec.pairs() if pair_state(spec, v, s) != "done"]
     print(f"appo compare: report {path}")
     if any(codes):
+        left = [f"{v}/seed{s}" for v, s in spec.pairs() if pair_state(spec, v, s) != "done"]
         print(f"appo compare: {sum(c != 0 for c in codes)} of {args.jobs} jobs failed "
               f"(exit codes {codes}); unfinished: {', '.join(left) or 'none'}", file=sys.stderr)
         return 1
