@@ -43,49 +43,6 @@ def test_chunked_head_equals_direct_values_and_gradients(chunk, temperature):
         torch.testing.assert_close(g, r)
 
 
-
-@pytest.mark.parametrize("preallocated", [True, False])
-def test_accumulate_grad_adds_the_head_gradient_into_grad_of_a_tied_weight(preallocated):
-    """`accumulate_grad=True` with a tied weight (the head's weight also embeds the inputs):
-    `.grad` ends as the prior gradient plus both uses' gradients, as without the option, and
-    autograd carries only the embedding's share (the head's went into `.grad` directly).
-    Without an allocated `.grad` the gradient flows through autograd as usual."""
-    _, weight, bias, targets, w_logp, w_ent = head_inputs()
-    ids = torch.randint(0, weight.shape[0], targets.shape, generator=torch.Generator().manual_seed(1))
-    prior = torch.randn(weight.shape, dtype=weight.dtype, generator=torch.Generator().manual_seed(2))
-
-    def run(accumulate):
-        w = weight.detach().clone().requires_grad_(True)
-        b = bias.detach().clone().requires_grad_(True)
-        if preallocated:  # an earlier micro-batch's gradient
-            w.grad, b.grad = prior.clone(), torch.ones_like(b)
-        seen = []
-        w.register_hook(lambda g: seen.append(g.clone()))  # what autograd carries to w
-        hidden = torch.tanh(w[ids])  # the embedding use of the tied weight
-        logp, ent = token_logprobs_and_entropy(hidden, w, targets, bias=b, chunk_size=4,
-                                               entropy_grad=True, accumulate_grad=accumulate)
-        ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
-        return w.grad, b.grad, seen
-
-    w_ref, b_ref, seen_ref = run(False)
-    w_acc, b_acc, seen_acc = run(True)
-    torch.testing.assert_close(w_acc, w_ref)
-    torch.testing.assert_close(b_acc, b_ref)
-    if preallocated:
-        # Embedding share only: the reference's total minus the head's part.
-        embed_only = torch.zeros_like(weight)
-        hidden = torch.tanh(weight.detach()[ids]).requires_grad_(True)
-        logp, ent = token_logprobs_and_entropy(hidden, weight.detach(), targets,
-                                               bias=bias.detach(), entropy_grad=True)
-        (g_hidden,) = torch.autograd.grad((w_logp * logp).sum() + (w_ent * ent).sum(), hidden)
-        embed_only.index_add_(0, ids.flatten(),
-                              (g_hidden * (1 - hidden.detach() ** 2)).reshape(-1, weight.shape[1]))
-        assert len(seen_acc) == 1
-        torch.testing.assert_close(seen_acc[0], embed_only)
-        assert not torch.allclose(seen_ref[0], embed_only)  # without it, both shares
-    else:
-        torch.testing.assert_close(seen_acc[0], seen_ref[0])
-
 def test_chunked_from_logits_slice_equals_direct_and_leaves_input_alone():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 10, 40, generator=gen, dtype=torch.float64).requires_grad_(True)

@@ -94,8 +94,7 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, bias: Tensor | None,
-                targets: Tensor, chunk: int, inv_temp: float, with_entropy: bool,
-                accumulate: bool):
+                targets: Tensor, chunk: int, inv_temp: float, with_entropy: bool):
         rows, length, _ = hidden.shape
         logp = hidden.new_empty(rows, length, dtype=_compute_dtype(hidden.dtype))
         lse = torch.empty_like(logp)
@@ -108,8 +107,6 @@ class _HeadLogProbs(torch.autograd.Function):
                 entropy[r, s] = ent
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk, ctx.inv_temp = chunk, inv_temp
-        # Leaf parameters (no grad_fn: no reference cycle) whose `.grad` backward adds into.
-        ctx.owners = (weight, bias) if accumulate else (None, None)
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -121,15 +118,11 @@ class _HeadLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 8
+            return None, None, None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = _compute_dtype(weight.dtype)
-        into_w, into_b = (_grad_buffer(p, acc) if need else None
-                          for p, need in zip(ctx.owners, (need_w, need_b), strict=True))
-        grad_w = into_w if into_w is not None else (
-            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None)
-        grad_b = into_b if into_b is not None else (
-            torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         rows, length, _ = hidden.shape
         for r, s in _chunks(rows, length, ctx.chunk):
             z = _head_logits(hidden[r, s], weight, bias, ctx.inv_temp)
@@ -144,18 +137,9 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_w.addmm_(grad_z.T, hidden[r, s].to(acc))
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None and into_w is None else None
-        grad_b = grad_b.to(bias.dtype) if grad_b is not None and into_b is None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
-
-
-def _grad_buffer(param: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """`param.grad` when backward may add into it directly: a leaf parameter whose gradient
-    is already allocated, in the accumulation dtype."""
-    if param is None or not param.is_leaf or not param.requires_grad:
-        return None
-    grad = param.grad
-    return grad if grad is not None and grad.dtype == dtype and not grad.is_sparse else None
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: float) -> Tensor:
@@ -248,7 +232,6 @@ def token_logprobs_and_entropy(
     chunk_size: int = 128,
     with_entropy: bool = True,
     entropy_grad: bool = False,
-    accumulate_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target and the entropy at each position, from hidden states.
 
@@ -256,13 +239,6 @@ def token_logprobs_and_entropy(
     targets `[*]` long -> logp `[*]` float32, entropy `[*]` float32 (None if
     `with_entropy=False`). `chunk_size` positions per chunk (`actor.logprob_chunk_size`).
     Gradients flow to hidden, weight and bias; `[*, V]` logits exist one chunk at a time.
-
-    `accumulate_grad`: where `weight` (or `bias`) is a leaf whose `.grad` is allocated, the
-    backward adds its gradient into `.grad` itself and passes none on, for a caller that
-    accumulates gradients over micro-batches anyway. This saves a `[V, D]` buffer at the
-    backward's start, where activations peak, and for an lm_head tied to the input
-    embedding, which autograd holds until the embedding's gradient arrives at the end. Only
-    for a plain `.backward()`: `torch.autograd.grad` would not see the weight's gradient.
     """
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise AppoError(f"hidden [..., D] and weight [V, D] do not match: "
@@ -272,7 +248,7 @@ def token_logprobs_and_entropy(
     rows = _as_rows(hidden)
     row_targets = targets.reshape(rows.shape[:2])
     logp, entropy = _HeadLogProbs.apply(rows, weight, bias, row_targets, chunk_size,
-                                        1.0 / temperature, with_entropy, accumulate_grad)
+                                        1.0 / temperature, with_entropy)
     return _finish(logp, entropy, lead_shape, with_entropy, entropy_grad)
 
 

@@ -84,8 +84,7 @@ def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
                       entropy_grad: bool = False, share_prefix: bool = True,
                       temperature: float = 1.0, compute_dtype: torch.dtype | None = None,
-                      tree: bool = False, accumulate_grad: bool = False,
-                      ) -> tuple[Tensor, Tensor | None, Tensor]:
+                      tree: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `batch`.
 
     Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
@@ -94,8 +93,6 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
     `[b, T, V]` logits never exist; the model itself computes logits for one position only.
     `compute_dtype`: float32 master weights computed in this dtype (`appo.trainer.precision`).
-    `accumulate_grad`: the head's backward adds into its weight's allocated `.grad` directly
-    (`appo.algos.token_logprobs_and_entropy`).
     """
     device = next(model.parameters()).device
     with autocast(device, compute_dtype):
@@ -117,7 +114,7 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     logp, entropy = token_logprobs_and_entropy(
         gathered, weight, targets, bias=bias,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, accumulate_grad=accumulate_grad,
+        entropy_grad=entropy_grad,
     )
     logp = logp * valid
     if entropy is not None:
@@ -215,8 +212,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
                                         share_prefix, temperature, compute_dtype,
                                         pg_agg=pg_agg, tree=tree,
                                         keep=keep[mb_idx],
-                                        loss_scale=float(dp.world) if fsdp else 1.0,
-                                        accumulate_grad=not fsdp))
+                                        loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
                     idle_step(model)
@@ -271,8 +267,8 @@ def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParam
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
                 share_prefix: bool, temperature: float, compute_dtype: torch.dtype | None,
                 pg_agg: LossAgg | None = None, tree: bool = False,
-                keep: Tensor | None = None, loss_scale: float = 1.0,
-                accumulate_grad: bool = False) -> dict[str, float]:
+                keep: Tensor | None = None,
+                loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
     )
@@ -280,7 +276,6 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
         model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
         entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
         temperature=temperature, compute_dtype=compute_dtype, tree=tree,
-        accumulate_grad=accumulate_grad,
     )
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
