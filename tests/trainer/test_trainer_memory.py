@@ -368,9 +368,9 @@ def test_under_fsdp_the_cap_is_skipped_and_a_target_refused():
 
 def test_gradients_allocated_before_the_first_micro_batch_change_no_value(monkeypatch):
     """`update_policy` allocates the gradients (zeros) before its first micro-batch, so they
-    do not land between freed activations (`zero_grads_first`, a heap-layout matter). Two
-    mini-batches of several micro-batches each: the weights after the update equal bit for
-    bit those of the old path, where the first backward allocated them (0 + g == g)."""
+    do not land between freed activations (`zero_grads_first`, a heap-layout matter). One
+    mini-batch of several (7) micro-batches: the weights after the update equal bit for bit
+    those of the old path, where the first backward allocated them (0 + g == g)."""
     from test_trainer_rl import _fixed_rows
 
     from appo.config import ActorConfig
