@@ -223,6 +223,12 @@ class ActorConfig:
     # `repeat_kv` expansion under a mask (appo.models.sdpa_gqa; per model, no environment
     # variable): the same forward values, gradients to rounding, fewer saved activations.
     sdpa_gqa: bool = True
+    # Outside FSDP, no [V, D] gradient temporary in the update's backward: the LM head adds
+    # its weight's gradient into the allocated .grad chunk by chunk, and the input embedding
+    # hands back sparse rows that autograd adds into it (appo.trainer.memory). The same
+    # gradients summed in another order; with tied embeddings autograd would hold the
+    # head's [V, D] gradient until the backward's end. Off: autograd's usual tensors.
+    grads_in_place: bool = True
     logprob_chunk_size: int = 128
     # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
     # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.

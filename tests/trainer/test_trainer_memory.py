@@ -394,3 +394,72 @@ def test_gradients_allocated_before_the_first_micro_batch_change_no_value(monkey
     assert any(not torch.equal(new[n], initial[n]) for n in new)  # the update moved weights
     for name in new:
         assert torch.equal(new[name], old[name]), name
+
+
+def _vocab_sized_outputs(run):
+    """Shapes `[V, D]` of tensors that ops (not in-place ones) create while `run()` runs:
+    the gradient temporaries `actor.grads_in_place` removes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    created = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            if not name.endswith("_") and not name.startswith("aten::copy"):
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                        created.append((name, tuple(t.shape)))
+            return out
+
+    with Record():
+        result = run()
+    return result, created
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_grads_in_place_same_gradients_no_vocab_sized_temporary(tied):
+    """`actor.grads_in_place` (the LM head adds its weight gradient into `.grad`, the
+    embedding hands back sparse rows): the gradients equal autograd's usual ones to
+    rounding (float64, summed in another order), over a mini-batch of several micro-batches
+    and with the head tied to the embeddings or not; and while the update runs no op
+    creates a `[V, D]` tensor, which the usual path does (the control: the embedding's dense
+    gradient and, tied, the head's held until the end of the backward)."""
+    from test_trainer_rl import _fixed_rows
+
+    from appo.config import ActorConfig
+    from appo.trainer import update
+
+    def run(in_place):
+        lm = load_model("tiny-test")
+        model = lm.model.double()
+        if not tied:
+            model.config.tie_word_embeddings = False
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(head.weight.detach().clone() * 1.5)
+        assert (model.get_output_embeddings().weight is
+                model.get_input_embeddings().weight) == tied
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the gradients stay to compare
+        actor = ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64,
+                            grads_in_place=in_place)
+        rows = _fixed_rows(lm.tokenizer, n=8)
+        update.zero_grads_first(list(model.parameters()))  # allocated, as after a first step
+        metrics, created = _vocab_sized_outputs(
+            lambda: update.update_policy(model, opt, rows, actor, max_response_length=384))
+        shape = tuple(model.get_input_embeddings().weight.shape)
+        assert not model.get_input_embeddings().sparse  # restored after the update
+        return ({n: p.grad.clone() for n, p in model.named_parameters()}, metrics,
+                [c for c in created if c[1] == shape])
+
+    usual, usual_metrics, usual_vd = run(False)
+    lean, lean_metrics, lean_vd = run(True)
+    assert usual_vd, "control: the usual backward creates [V, D] gradients"
+    assert lean_vd == [], lean_vd
+    assert lean_metrics["actor/grad_norm"] == pytest.approx(usual_metrics["actor/grad_norm"],
+                                                            rel=1e-12)
+    assert usual.keys() == lean.keys()
+    for name in usual:
+        assert usual[name].layout == lean[name].layout == torch.strided
+        torch.testing.assert_close(lean[name], usual[name], rtol=1e-12, atol=1e-15, msg=name)
+    assert any(g.abs().sum() > 0 for g in usual.values())

@@ -94,8 +94,12 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, bias: Tensor | None,
-                targets: Tensor, chunk: int, inv_temp: float, with_entropy: bool):
+                targets: Tensor, chunk: int, inv_temp: float, with_entropy: bool,
+                weight_grad_in_place: bool = False):
         rows, length, _ = hidden.shape
+        # The weight itself (a leaf: a parameter, not a cast of one) when its gradient may
+        # be added into its `.grad` directly (`_weight_grad_buffer`).
+        ctx.grad_owner = weight if weight_grad_in_place and weight.is_leaf else None
         logp = hidden.new_empty(rows, length, dtype=_compute_dtype(hidden.dtype))
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(0)
@@ -118,10 +122,14 @@ class _HeadLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = _compute_dtype(weight.dtype)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        into = _weight_grad_buffer(ctx.grad_owner, acc) if need_w else None
+        grad_w = None
+        if need_w:
+            grad_w = into if into is not None else torch.zeros(weight.shape, dtype=acc,
+                                                               device=weight.device)
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         rows, length, _ = hidden.shape
         for r, s in _chunks(rows, length, ctx.chunk):
@@ -137,9 +145,22 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_w.addmm_(grad_z.T, hidden[r, s].to(acc))
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
+        if into is not None:
+            grad_w = None  # already in the weight's .grad
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _weight_grad_buffer(weight: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """`weight.grad` when the head's weight gradient can be accumulated into it in place: an
+    allocated dense gradient of the accumulation dtype that is not itself part of a graph.
+    Else None (the gradient is returned to autograd as usual)."""
+    grad = None if weight is None else weight.grad
+    if (grad is None or grad.layout != torch.strided or grad.dtype != dtype
+            or grad.requires_grad or grad.shape != weight.shape):
+        return None
+    return grad
 
 
 def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: float) -> Tensor:
@@ -232,6 +253,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = 128,
     with_entropy: bool = True,
     entropy_grad: bool = False,
+    weight_grad_in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each target and the entropy at each position, from hidden states.
 
@@ -239,6 +261,14 @@ def token_logprobs_and_entropy(
     targets `[*]` long -> logp `[*]` float32, entropy `[*]` float32 (None if
     `with_entropy=False`). `chunk_size` positions per chunk (`actor.logprob_chunk_size`).
     Gradients flow to hidden, weight and bias; `[*, V]` logits exist one chunk at a time.
+
+    `weight_grad_in_place`: when `weight` is a parameter whose `.grad` is allocated (dense,
+    float32 or wider), the backward adds the weight's gradient into that `.grad` chunk by
+    chunk and hands autograd none, so no `[V, D]` gradient tensor exists. With an LM head
+    tied to the input embeddings autograd would otherwise hold that tensor through the whole
+    backward, until the embedding's gradient arrives to be summed with it. The caller must
+    not rely on hooks seeing this part of the gradient (appo's update reads `.grad` after
+    the backward). Otherwise the usual path.
     """
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise AppoError(f"hidden [..., D] and weight [V, D] do not match: "
@@ -248,7 +278,7 @@ def token_logprobs_and_entropy(
     rows = _as_rows(hidden)
     row_targets = targets.reshape(rows.shape[:2])
     logp, entropy = _HeadLogProbs.apply(rows, weight, bias, row_targets, chunk_size,
-                                        1.0 / temperature, with_entropy)
+                                        1.0 / temperature, with_entropy, weight_grad_in_place)
     return _finish(logp, entropy, lead_shape, with_entropy, entropy_grad)
 
 

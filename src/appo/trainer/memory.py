@@ -26,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -190,6 +192,26 @@ def trim_freed_memory() -> None:
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+@contextmanager
+def sparse_embedding_grads(model, enabled: bool = True) -> Iterator[bool]:
+    """Within the block the input embedding (a plain `nn.Embedding` being trained) hands
+    autograd its gradient as sparse rows (one per token looked up) instead of a dense
+    `[V, D]` tensor, which the backward allocates at its very end, when the heap is at its
+    highest. Autograd adds the rows into the parameter's `.grad` in place, so that must be
+    allocated and dense first (`appo.trainer.update.zero_grads_first`): the optimizer then
+    sees the same dense gradient, summed in another order. Yields whether it applied."""
+    emb = model.get_input_embeddings() if enabled else None
+    apply = (type(emb) is torch.nn.Embedding and emb.weight.requires_grad
+             and not emb.sparse)
+    if apply:
+        emb.sparse = True
+    try:
+        yield apply
+    finally:
+        if apply:
+            emb.sparse = False
 
 
 # ---------------------------------------------------------------------- lean SwiGLU MLP

@@ -45,6 +45,7 @@ from appo.trainer.batch import TrainBatch
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_step, to_float
+from appo.trainer.memory import sparse_embedding_grads
 from appo.trainer.precision import autocast, head_inputs
 
 
@@ -84,7 +85,8 @@ def needs_old_logp(actor: Any, batch: TrainBatch, dp: DataParallel) -> bool:
 def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: bool,
                       entropy_grad: bool = False, share_prefix: bool = True,
                       temperature: float = 1.0, compute_dtype: torch.dtype | None = None,
-                      tree: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+                      tree: bool = False, head_grad_in_place: bool = False,
+                      ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Current-policy log-prob (and entropy) of every response token of `batch`.
 
     Returns logp `[b, R]`, entropy `[b, R]` or None, and the response mask `[b, R]` (1 on
@@ -93,6 +95,8 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     states and the lm_head weight in chunks (`appo.algos.token_logprobs_and_entropy`), so
     `[b, T, V]` logits never exist; the model itself computes logits for one position only.
     `compute_dtype`: float32 master weights computed in this dtype (`appo.trainer.precision`).
+    `head_grad_in_place`: the head's weight gradient goes straight into its allocated `.grad`
+    (`token_logprobs_and_entropy`'s `weight_grad_in_place`; `actor.grads_in_place`).
     """
     device = next(model.parameters()).device
     with autocast(device, compute_dtype):
@@ -114,7 +118,7 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
     logp, entropy = token_logprobs_and_entropy(
         gathered, weight, targets, bias=bias,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
+        entropy_grad=entropy_grad, weight_grad_in_place=head_grad_in_place,
     )
     logp = logp * valid
     if entropy is not None:
@@ -167,7 +171,16 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     `temperature`: the rollout's sampling temperature, applied to the training logits.
     `compute_dtype`: the forwards' autocast dtype over float32 master weights, or None.
     """
-    dp = dp or DataParallel()
+    # Under FSDP the gradients are sharded and allocated by FSDP: no in-place accumulation.
+    in_place = actor.grads_in_place and not fsdp
+    with sparse_embedding_grads(model, in_place):
+        return _update(model, optimizer, batch, actor, max_response_length, dp or DataParallel(),
+                       scheduler, fsdp, temperature, compute_dtype, in_place)
+
+
+def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
+            dp: DataParallel, scheduler, fsdp: bool, temperature: float,
+            compute_dtype: torch.dtype | None, in_place: bool) -> dict[str, float]:
     share_prefix = actor.share_prefix_forward and not fsdp
     tree = share_prefix and actor.tree_forward
     loss_params = policy_loss_params(actor)
@@ -211,7 +224,7 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
                                         share_prefix, temperature, compute_dtype,
                                         pg_agg=pg_agg, tree=tree,
-                                        keep=keep[mb_idx],
+                                        keep=keep[mb_idx], in_place=in_place,
                                         loss_scale=float(dp.world) if fsdp else 1.0))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
@@ -267,7 +280,7 @@ def _kept_rows(model, mini: TrainBatch, actor: Any, loss_params: PolicyLossParam
 def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams, agg: LossAgg,
                 share_prefix: bool, temperature: float, compute_dtype: torch.dtype | None,
                 pg_agg: LossAgg | None = None, tree: bool = False,
-                keep: Tensor | None = None,
+                keep: Tensor | None = None, in_place: bool = False,
                 loss_scale: float = 1.0) -> dict[str, float]:
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
@@ -276,6 +289,7 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
         model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
         entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
         temperature=temperature, compute_dtype=compute_dtype, tree=tree,
+        head_grad_in_place=in_place,
     )
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
