@@ -19,6 +19,10 @@ goes").
 
 `trim_freed_memory` returns freed heap pages to the system (glibc `malloc_trim`) between
 phases, so one phase's peak does not stay resident through the next.
+
+`sparse_embedding_grads` (with the LM head's in-place weight gradient,
+`appo.algos.token_logprobs_and_entropy`; `actor.grads_in_place`) keeps `[V, D]` gradient
+tensors out of the update's backward; `lean_mlp_activations` saves less per token.
 """
 
 from __future__ import annotations
