@@ -126,10 +126,8 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = _compute_dtype(weight.dtype)
         into = _weight_grad_buffer(ctx.grad_owner, acc) if need_w else None
-        grad_w = None
-        if need_w:
-            grad_w = into if into is not None else torch.zeros(weight.shape, dtype=acc,
-                                                               device=weight.device)
+        grad_w = into if into is not None else (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None)
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         rows, length, _ = hidden.shape
         for r, s in _chunks(rows, length, ctx.chunk):
@@ -145,9 +143,8 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_w.addmm_(grad_z.T, hidden[r, s].to(acc))
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
-        if into is not None:
-            grad_w = None  # already in the weight's .grad
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        # Added into the weight's .grad already: nothing for autograd.
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None and into is None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
