@@ -137,7 +137,23 @@ def test_report_intervals_and_distinguishable_sentence(tmp_path):
     assert "| arpo | 3 | 4 | 100.0 [100.0, 100.0] | 100.0 [100.0, 100.0] |" in text
     assert "grpo vs arpo on `toy` (sampled pass@k: -100.0 [-100.0, -100.0])" in text
     # Cost: 100 sampled tokens, 1 branch and 2 s in the one step of every seed; 1 s of eval.
-    assert "| grpo | 3 | 1 | 100.00 [100.00, 100.00] | 1.00 | 2 | 1 |" in text
+    assert "| grpo | 3 | 1 | 100 [100, 100] | 1.00 | 2 | 1 |" in text
+    # 1 pair x 2 metrics = 2 intervals; Bonferroni puts each at 1 - 0.05/2 = 97.5 % with
+    # max(500, ceil(40 / 0.025)) = 1600 resamples; the constant -1 difference survives any level.
+    assert "2 intervals were computed; if no variant differed from another, about 0.1" in text
+    assert ("Held to a family-wise 95% over all 2 (Bonferroni: each interval at 97.50%, 1600 "
+            "resamples), these remain:") in text
+    assert "grpo vs arpo on `toy` (sampled pass@k)" in text.split("these remain:")[1]
+    assert "(one seed)" not in text  # three seeds each
+
+
+def test_report_marks_a_difference_that_rests_on_one_seed(tmp_path):
+    spec = load_spec(write_spec(tmp_path, seeds=(1,)))
+    _fake_result(spec, "grpo", 1, [0.0] * 4, [0, 0, 0, 0])
+    _fake_result(spec, "arpo", 1, [1.0] * 4, [2, 2, 2, 2])
+    text = write_report(spec, resamples=200).read_text()
+    assert "grpo vs arpo on `toy` (greedy pass@1: -100.0 [-100.0, -100.0]) (one seed)" in text
+    assert "resamples questions only" in text
 
 
 @pytest.mark.parametrize("state", ["missing"])

@@ -41,7 +41,7 @@ def test_t_quantile_table_and_expansion():
     assert t_quantile_975(120) == pytest.approx(1.980, abs=1e-3)
 
 
-def _naive_bootstrap(a, b, resamples, seed):
+def _naive_bootstrap(a, b, resamples, seed, tails=(2.5, 97.5)):
     """The same resampling as a plain loop over resamples, seeds and questions."""
     d = np.asarray(a, float) - np.asarray(b, float)
     s, q = d.shape
@@ -55,7 +55,7 @@ def _naive_bootstrap(a, b, resamples, seed):
             for j in cols[r]:
                 total += d[i, j]
         means.append(total / (s * q))
-    return np.percentile(means, [2.5, 97.5])
+    return np.percentile(means, list(tails))
 
 
 def test_paired_bootstrap_equals_naive_loop():
@@ -66,6 +66,20 @@ def test_paired_bootstrap_equals_naive_loop():
     low, high = _naive_bootstrap(a, b, 300, 11)
     assert iv.mean == pytest.approx((a - b).mean())
     assert (iv.low, iv.high) == (pytest.approx(low), pytest.approx(high))
+
+
+def test_paired_bootstrap_level_widens_to_the_matching_percentiles():
+    gen = np.random.default_rng(8)
+    a = (gen.random((3, 9)) < 0.6).astype(float)
+    b = (gen.random((3, 9)) < 0.4).astype(float)
+    # level 0.99: the 0.5 and 99.5 percentiles of the same resampled means.
+    wide = paired_bootstrap(a, b, resamples=400, seed=2, level=0.99)
+    assert (wide.low, wide.high) == tuple(pytest.approx(x)
+                                          for x in _naive_bootstrap(a, b, 400, 2, (0.5, 99.5)))
+    usual = paired_bootstrap(a, b, resamples=400, seed=2)
+    assert wide.low <= usual.low and wide.high >= usual.high and wide.mean == usual.mean
+    with pytest.raises(ValueError):
+        paired_bootstrap(a, b, level=1.0)
 
 
 def test_paired_bootstrap_hand_checked_cases():

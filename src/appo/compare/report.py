@@ -73,8 +73,9 @@ def scores(result: PairResult, set_name: str, metric: str) -> list[float]:
     return list(s.greedy) if metric == "greedy" else s.pass_at_k
 
 
-def _fmt(iv: Interval, pct: bool = True) -> str:
-    f = (lambda x: f"{100 * x:.1f}") if pct else (lambda x: f"{x:.2f}")
+def _fmt(iv: Interval, pct: bool = True, digits: int = 2) -> str:
+    """Percent with one decimal, or a plain number with `digits` decimals."""
+    f = (lambda x: f"{100 * x:.1f}") if pct else (lambda x: f"{x:.{digits}f}")
     if math.isnan(iv.mean):
         return "-"
     if math.isnan(iv.low):
@@ -135,10 +136,10 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
         tok = t_interval([np.nansum(c.tokens) for c in fin])
         lines.append(
             f"| {n} | {len(fin)} | {np.mean([len(c.steps) for c in fin]):.0f} | "
-            f"{_fmt(tok, pct=False)} | {np.mean([np.mean(c.branches or [0]) for c in fin]):.2f}"
+            f"{_fmt(tok, pct=False, digits=0)} | {np.mean([np.mean(c.branches or [0]) for c in fin]):.2f}"
             f" | {np.mean([sum(c.seconds) for c in fin]):.0f} | "
             f"{np.mean([r.eval_seconds for r in results[n].values()]):.0f} |")
-    distinguishable: list[str] = []
+    tested: list[_Diff] = []
     for set_name in spec.eval.sets:
         lines += ["", f"## Eval set `{set_name}`: `{spec.eval.sets[set_name]}`", "",
                   "Accuracy in %, mean over seeds with a 95% t-interval; pass@k with "
@@ -171,17 +172,11 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                 xb = np.array([scores(results[b][s], set_name, metric) for s in common])
                 iv = paired_bootstrap(xa, xb, resamples=resamples)
                 cells.append(_fmt(iv))
-                if iv.excludes_zero():
-                    distinguishable.append(f"{a} vs {b} on `{set_name}` ({METRICS[metric]}: "
-                                           f"{_fmt(iv)})")
+                tested.append(_Diff(f"{a} vs {b} on `{set_name}` ({METRICS[metric]}",
+                                    xa, xb, iv))
             lines.append(f"| {a} - {b} | {len(common)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Which differences are distinguishable from noise", ""]
-    if distinguishable:
-        lines.append("These differences have a 95% paired bootstrap interval that excludes 0: "
-                     + "; ".join(distinguishable) + ". Every other difference is within noise.")
-    else:
-        lines.append("No difference is distinguishable from noise: every 95% paired bootstrap "
-                     "interval includes 0.")
+    lines += ["", "## Which differences are distinguishable from noise", "",
+              *_noise_words(tested, resamples)]
     lines += ["", "## Learning curves", "", "Mean over the seeds run so far (finished or not); "
               "the band spans the lowest to the highest seed.",
               "", "![against step](curves_step.png)", "",
@@ -190,6 +185,56 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines))
     return path
+
+
+@dataclass
+class _Diff:
+    """One pairwise difference of the report: its label, `[S, Q]` scores and 95% interval."""
+
+    label: str
+    a: np.ndarray
+    b: np.ndarray
+    interval: Interval
+
+
+def _noise_words(tested: list[_Diff], resamples: int) -> list[str]:
+    """The report's verdict in words. Besides each 95% interval that excludes 0 it says how
+    many intervals were computed (with no difference anywhere, about 1 in 20 would exclude 0
+    by chance), which of them hold at a family-wise 95% (Bonferroni: each interval at
+    1 - 0.05/N, with enough resamples for its tails), and which rest on one seed (the
+    bootstrap then resamples questions only: two checkpoints differ, not two methods)."""
+    if not tested:
+        return ["No pair of variants has a finished seed in common yet."]
+    n = len(tested)
+    hits = [d for d in tested if d.interval.excludes_zero()]
+    if not hits:
+        return [f"No difference is distinguishable from noise: all {n} 95% paired bootstrap "
+                "intervals include 0."]
+
+    def one_seed(d: _Diff) -> str:
+        return " (one seed)" if d.a.shape[0] == 1 else ""
+
+    words = ["These differences have a 95% paired bootstrap interval that excludes 0: "
+             + "; ".join(f"{d.label}: {_fmt(d.interval)}){one_seed(d)}" for d in hits)
+             + ". Every other difference is within noise."]
+    words.append(f"{n} intervals were computed; if no variant differed from another, about "
+                 f"{n / 20:.1f} of them would exclude 0 by chance.")
+    if n > 1:
+        level = 1 - 0.05 / n
+        wide_resamples = max(resamples, math.ceil(40 / (0.05 / n)))  # >= 20 per tail
+        held = [d for d in hits
+                if paired_bootstrap(d.a, d.b, resamples=wide_resamples,
+                                    level=level).excludes_zero()]
+        words.append(f"Held to a family-wise 95% over all {n} (Bonferroni: each interval at "
+                     f"{100 * level:.2f}%, {wide_resamples} resamples), "
+                     + ("these remain: " + "; ".join(d.label + ")" for d in held) + "."
+                        if held else "none remains."))
+    if any(one_seed(d) for d in hits):
+        words.append("A difference marked (one seed) rests on a single seed of each variant: "
+                     "its interval resamples questions only, so it shows that two trained "
+                     "checkpoints differ on these questions, not that the methods do; another "
+                     "seed of the same method may differ as much.")
+    return [" ".join(words)]
 
 
 def _mean_curve(runs: list[RunCurve], key: str) -> tuple[np.ndarray, ...]:
