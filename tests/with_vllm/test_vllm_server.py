@@ -1,6 +1,12 @@
 """Server mode against a real `vllm serve` of SmolLM2-135M (float32, CPU) on 127.0.0.1.
 
-One server for the module (`vllm_server` in conftest.py). It checks that:
+One server for the module (`vllm_server` in conftest.py; one start costs 80-100 s, so
+every test that needs a served model lives here). It checks that:
+- the deep-search page step summarises with the server (SmolLM2-135M's tokenizer has no chat
+  template, so the summariser sends the prompt as is, `api: completions`; greedy and short):
+  the request is accepted, the text after `**Final Information**` (or the whole output)
+  becomes the result, and a replay with the server out of reach and miss_policy=fail gives
+  identical results (first: it needs no particular weights, the later tests change them);
 - the OpenAI engine takes the server's sampled token ids (token out): a segment stopped by a
   stop string that ends inside a token keeps the completing token, as the hf engine does;
 - the tool loop runs several turns on the server (a few-shot prompt that makes the model
@@ -41,6 +47,9 @@ from appo.rollout.stops import tool_stop_strings
 from appo.rollout.strategies import rollout_grpo
 from appo.rollout.vllm_server import reload_server_weights
 from appo.tools.base import ToolResult
+from appo.tools.executor import ToolCall, ToolExecutor
+from appo.tools.pages import build_page_store
+from appo.tools.search_tool import SearchTool
 
 pytestmark = pytest.mark.vllm
 
@@ -74,6 +83,37 @@ def tokenizer(vllm_server):
 
 
 # ---------------------------------------------------------------- token out
+def test_page_step_summarises_with_vllm_and_replays(vllm_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("APPO_CACHE", str(tmp_path / "appo-cache"))
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"id": "1", "title": "Eiffel Tower", "text": "The Eiffel Tower was finished in "
+             "1889. It is 330 metres tall."},
+            {"id": "2", "title": "Paris", "text": "Paris is the capital of France."}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "pages.sqlite"
+    build_page_store(corpus, store)
+    summariser = {"base_url": vllm_server.url, "model": vllm_server.model,
+                  "api": "completions", "temperature": 0.0, "max_tokens": 24}
+
+    def run(miss_policy: str, base_url: str) -> list:
+        tool = SearchTool(backend="bm25", corpus=str(corpus),
+                          cache_file=str(tmp_path / "cache.sqlite"), miss_policy=miss_policy,
+                          pages={"enabled": True, "store": str(store), "top_k": 2,
+                                 "summariser": {**summariser, "base_url": base_url}})
+        with ToolExecutor({"search": tool}) as ex:
+            calls = [ToolCall("search", "eiffel tower height",
+                              ("<think>How tall?</think><search>eiffel tower height</search>",))]
+            return [(r.ok, r.text, r.error_kind) for r in ex.execute_many(calls)]
+
+    live = run("live", vllm_server.url)
+    [(ok, text, kind)] = live
+    assert ok and kind is None and text.strip(), live
+    print(f"\nSmolLM2 summary: {text!r}")
+    # the replay cannot reach any server (a closed port) and must not need one
+    replay = run("fail", "http://127.0.0.1:9")
+    assert replay == live
+
+
 def test_engine_keeps_the_token_that_completes_a_stop_string(vllm_server, tokenizer):
     prompt = tokenizer.encode("Here is code: <python>x = 2\nprint(x*3)",
                               add_special_tokens=False)
