@@ -172,8 +172,8 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                 xb = np.array([scores(results[b][s], set_name, metric) for s in common])
                 iv = paired_bootstrap(xa, xb, resamples=resamples)
                 cells.append(_fmt(iv))
-                tested.append(_Diff(f"{a} vs {b} on `{set_name}` ({METRICS[metric]}",
-                                    xa, xb, iv))
+                tested.append(_Diff(f"{a} vs {b} on `{set_name}`", METRICS[metric], xa, xb,
+                                    iv))
             lines.append(f"| {a} - {b} | {len(common)} | " + " | ".join(cells) + " |")
     lines += ["", "## Which differences are distinguishable from noise", "",
               *_noise_words(tested, resamples)]
@@ -189,9 +189,11 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
 
 @dataclass
 class _Diff:
-    """One pairwise difference of the report: its label, `[S, Q]` scores and 95% interval."""
+    """One pairwise difference of the report: which pair and metric, the two `[S, Q]` score
+    arrays and the 95% interval."""
 
-    label: str
+    where: str  # "a vs b on `set`"
+    metric: str
     a: np.ndarray
     b: np.ndarray
     interval: Interval
@@ -215,7 +217,8 @@ def _noise_words(tested: list[_Diff], resamples: int) -> list[str]:
         return " (one seed)" if d.a.shape[0] == 1 else ""
 
     words = ["These differences have a 95% paired bootstrap interval that excludes 0: "
-             + "; ".join(f"{d.label}: {_fmt(d.interval)}){one_seed(d)}" for d in hits)
+             + "; ".join(f"{d.where} ({d.metric}: {_fmt(d.interval)}){one_seed(d)}"
+                         for d in hits)
              + ". Every other difference is within noise."]
     words.append(f"{n} intervals were computed; if no variant differed from another, about "
                  f"{n / 20:.1f} of them would exclude 0 by chance.")
@@ -227,7 +230,8 @@ def _noise_words(tested: list[_Diff], resamples: int) -> list[str]:
                                     level=level).excludes_zero()]
         words.append(f"Held to a family-wise 95% over all {n} (Bonferroni: each interval at "
                      f"{100 * level:.2f}%, {wide_resamples} resamples), "
-                     + ("these remain: " + "; ".join(d.label + ")" for d in held) + "."
+                     + ("these remain: " + "; ".join(f"{d.where} ({d.metric})" for d in held)
+                        + "."
                         if held else "none remains."))
     if any(one_seed(d) for d in hits):
         words.append("A difference marked (one seed) rests on a single seed of each variant: "
