@@ -138,9 +138,9 @@ def entry() -> None:
     """The process entry point (`appo`, `python -m appo.cli`): `main`, then exit.
 
     Before the interpreter exits: one collection, then `gc.freeze()`. The interpreter's
-    finalisation otherwise runs more full collections over the ~400k objects torch and
-    transformers leave behind, about 2 CPU-seconds at the end of every command that loaded
-    them (`benchmarks/RESULTS.md`, "CLI exit"). The collection keeps what the usual exit
+    finalisation otherwise runs further full collections over the ~400k objects torch and
+    transformers leave behind: 0.5 CPU-seconds at the end of `appo config show`, 2.2 at the
+    end of a tiny `appo train` (`benchmarks/RESULTS.md`, "CLI exit"). The collection keeps what the usual exit
     does for what is garbage by now (its finalisers run); what differs is only that objects
     still alive and in reference cycles are not finalised at exit (no `__del__`), while
     everything else is freed by reference counting as before. appo's outputs do not depend

@@ -82,7 +82,7 @@ def tokenizer(vllm_server):
     return AutoTokenizer.from_pretrained(vllm_server.model)
 
 
-# ---------------------------------------------------------------- token out
+# ---------------------------------------------------------------- page step
 def test_page_step_summarises_with_vllm_and_replays(vllm_server, tmp_path, monkeypatch):
     monkeypatch.setenv("APPO_CACHE", str(tmp_path / "appo-cache"))
     corpus = tmp_path / "corpus.jsonl"
@@ -114,6 +114,7 @@ def test_page_step_summarises_with_vllm_and_replays(vllm_server, tmp_path, monke
     assert replay == live
 
 
+# ---------------------------------------------------------------- token out
 def test_engine_keeps_the_token_that_completes_a_stop_string(vllm_server, tokenizer):
     prompt = tokenizer.encode("Here is code: <python>x = 2\nprint(x*3)",
                               add_special_tokens=False)
