@@ -145,6 +145,8 @@ def test_report_intervals_and_distinguishable_sentence(tmp_path):
             "resamples), these remain:") in text
     assert "grpo vs arpo on `toy` (sampled pass@k)" in text.split("these remain:")[1]
     assert "(one seed)" not in text  # three seeds each
+    assert "(t quantile 4.30 for 3 seeds)" in text  # t_{0.975, 2}
+    assert "same checkpoint for every seed" not in text  # no eval.start here
 
 
 def test_report_marks_a_difference_that_rests_on_one_seed(tmp_path):
@@ -223,6 +225,8 @@ def test_eval_start_evaluates_the_starting_checkpoint(tmp_path):
     text = write_report(spec, resamples=50).read_text()
     assert "| start | - | - | - | - | the starting checkpoint, not trained |" in text
     assert "| start | 2 | 3 |" in text and "| start - grpo | 0 | - | - |" in text
+    assert "`start` is the same checkpoint for every seed" in text
+    assert "(t quantile 12.71 for 2 seeds)" in text  # t_{0.975, 1}: only start has 2 seeds
 
 
 def test_eval_start_refuses_a_variant_named_start(tmp_path):

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from appo.compare.runner import PairResult, load_result, pair_state
-from appo.compare.spec import BUDGET_KEYS, CompareSpec
-from appo.compare.stats import Interval, paired_bootstrap, t_interval
+from appo.compare.spec import BUDGET_KEYS, START, CompareSpec
+from appo.compare.stats import Interval, paired_bootstrap, t_interval, t_quantile_975
 from appo.fsutil import atomic_write_text
 
 CURVE_KEYS = ("reward/accuracy", "rollout/tool_calls_per_traj")
@@ -142,8 +142,12 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     tested: list[_Diff] = []
     for set_name in spec.eval.sets:
         lines += ["", f"## Eval set `{set_name}`: `{spec.eval.sets[set_name]}`", "",
-                  "Accuracy in %, mean over seeds with a 95% t-interval; pass@k with "
-                  f"k={spec.eval.k} samples at temperature {spec.eval.temperature}.", "",
+                  "Accuracy in %, mean over seeds with a 95% t-interval"
+                  f"{_t_note(results, spec, set_name)}; pass@k with "
+                  f"k={spec.eval.k} samples at temperature {spec.eval.temperature}."
+                  + (f" `{START}` is the same checkpoint for every seed, so its greedy answers "
+                     "do not depend on the seed (an interval of width 0); only its sampled "
+                     "answers do." if any(not v.train for v in spec.variants) else ""), "",
                   "| variant | seeds | questions | greedy pass@1 | sampled pass@k | "
                   "tool calls / answer |", "|" + " --- |" * 6]
         for n in names:
@@ -185,6 +189,17 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     path = out / "report.md"
     atomic_write_text(path, "\n".join(lines))
     return path
+
+
+def _t_note(results: dict[str, dict[int, PairResult]], spec: CompareSpec, set_name: str) -> str:
+    """The t quantiles behind the intervals, for the seed counts in the table: with few seeds
+    they are large (12.71 for 2 seeds), which is what makes those intervals wide."""
+    counts = sorted({n for n in (sum(has_set(spec, r, set_name) for r in rs.values())
+                                 for rs in results.values()) if n > 1})
+    if not counts:
+        return ""
+    return " (t quantile " + ", ".join(f"{t_quantile_975(n - 1):.2f} for {n} seeds"
+                                       for n in counts) + ")"
 
 
 @dataclass
