@@ -40,8 +40,9 @@ def toy_train_args(tmp: Path) -> list[str]:
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, "
                       "extra_info=None):\n    return float(len(solution_str or '') > 3)\n")
     return ["train", "model.path=tiny-test", f"data.train_files=[{data}]", "data.val_files=[]",
-            "data.train_batch_size=2", "data.max_response_length=8", "rollout.n=2", "rollout.initial_rollouts=1",
-            f"custom_reward_function.path={reward}", "actor.ppo_mini_batch_size=2",
+            "data.train_batch_size=2", "data.max_response_length=8", "rollout.n=2",
+            "rollout.initial_rollouts=1", f"custom_reward_function.path={reward}",
+            "actor.ppo_mini_batch_size=2",
             "trainer.total_steps=1", "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={tmp / 'run'}", "trainer.overwrite=true"]
 

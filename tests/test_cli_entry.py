@@ -39,10 +39,7 @@ def test_entry_exits_with_mains_status_after_collecting_and_freezing():
 
 
 def test_the_appo_script_runs_entry():
-    try:
-        script = importlib.metadata.entry_points(group="console_scripts", name="appo")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
-        pytest.skip("appo is not installed in this environment")
+    script = importlib.metadata.entry_points(group="console_scripts", name="appo")
     if not script:
         pytest.skip("appo's console script is not installed in this environment")
     assert [e.value for e in script] == ["appo.cli:entry"]

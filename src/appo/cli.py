@@ -140,14 +140,14 @@ def entry() -> None:
     Before the interpreter exits: one collection, then `gc.freeze()`. The interpreter's
     finalisation otherwise runs further full collections over the ~400k objects torch and
     transformers leave behind: 0.5 CPU-seconds at the end of `appo config show`, 2.2 at the
-    end of a tiny `appo train` (`benchmarks/RESULTS.md`, "CLI exit"). The collection keeps what the usual exit
-    does for what is garbage by now (its finalisers run); what differs is only that objects
-    still alive and in reference cycles are not finalised at exit (no `__del__`), while
-    everything else is freed by reference counting as before. appo's outputs do not depend
-    on it: files are closed explicitly, temporary directories and process groups are
-    cleaned by `atexit` handlers, which still run. Only here, not in `main`: tests call
-    `main` in-process, where freezing would keep the test process's cycles for the rest of
-    the session.
+    end of a tiny `appo train` (`benchmarks/RESULTS.md`, "CLI exit"). The collection keeps
+    what the usual exit does for what is garbage by now (its finalisers run); what differs
+    is only that objects still alive and in reference cycles are not finalised at exit (no
+    `__del__`), while everything else is freed by reference counting as before. appo's
+    outputs do not depend on it: files are closed explicitly, temporary directories and
+    process groups are cleaned by `atexit` handlers, which still run. Only here, not in
+    `main`: tests call `main` in-process, where freezing would keep the test process's
+    cycles for the rest of the session.
     """
     import gc
 

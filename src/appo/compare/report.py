@@ -136,22 +136,24 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
         tok = t_interval([np.nansum(c.tokens) for c in fin])
         lines.append(
             f"| {n} | {len(fin)} | {np.mean([len(c.steps) for c in fin]):.0f} | "
-            f"{_fmt(tok, pct=False, digits=0)} | {np.mean([np.mean(c.branches or [0]) for c in fin]):.2f}"
-            f" | {np.mean([sum(c.seconds) for c in fin]):.0f} | "
+            f"{_fmt(tok, pct=False, digits=0)} | "
+            f"{np.mean([np.mean(c.branches or [0]) for c in fin]):.2f} | "
+            f"{np.mean([sum(c.seconds) for c in fin]):.0f} | "
             f"{np.mean([r.eval_seconds for r in results[n].values()]):.0f} |")
     tested: list[_Diff] = []
     for set_name in spec.eval.sets:
+        finished = {n: [r for r in results[n].values() if has_set(spec, r, set_name)]
+                    for n in names}
         lines += ["", f"## Eval set `{set_name}`: `{spec.eval.sets[set_name]}`", "",
                   "Accuracy in %, mean over seeds with a 95% t-interval"
-                  f"{_t_note(results, spec, set_name)}; pass@k with "
+                  f"{_t_note([len(rs) for rs in finished.values()])}; pass@k with "
                   f"k={spec.eval.k} samples at temperature {spec.eval.temperature}."
                   + (f" `{START}` is the same checkpoint for every seed, so its greedy answers "
                      "do not depend on the seed (an interval of width 0); only its sampled "
                      "answers do." if any(not v.train for v in spec.variants) else ""), "",
                   "| variant | seeds | questions | greedy pass@1 | sampled pass@k | "
                   "tool calls / answer |", "|" + " --- |" * 6]
-        for n in names:
-            rs = [r for r in results[n].values() if has_set(spec, r, set_name)]
+        for n, rs in finished.items():
             if not rs:
                 lines.append(f"| {n} | 0 | - | - | - | - |")
                 continue
@@ -191,11 +193,10 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
     return path
 
 
-def _t_note(results: dict[str, dict[int, PairResult]], spec: CompareSpec, set_name: str) -> str:
+def _t_note(seed_counts: list[int]) -> str:
     """The t quantiles behind the intervals, for the seed counts in the table: with few seeds
     they are large (12.71 for 2 seeds), which is what makes those intervals wide."""
-    counts = sorted({n for n in (sum(has_set(spec, r, set_name) for r in rs.values())
-                                 for rs in results.values()) if n > 1})
+    counts = sorted({n for n in seed_counts if n > 1})
     if not counts:
         return ""
     return " (t quantile " + ", ".join(f"{t_quantile_975(n - 1):.2f} for {n} seeds"
