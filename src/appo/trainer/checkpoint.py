@@ -161,8 +161,10 @@ def save_checkpoint(
     parts: dict[str, TrainedPart | PartStates] | None = None,
     lora: Any = None,
     merged: Any = None,
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `global_step_{step}`; `optimizer_state` replaces `optimizer.state_dict()` (FSDP
+    """Write `global_step_{step}`; `model_state` replaces `model`'s own weights (FSDP passes
+    the gathered float32 masters, while `model` is the engine's replica, maybe bfloat16); `optimizer_state` replaces `optimizer.state_dict()` (FSDP
     passes the gathered whole-model state); `parts` go to their own subdirectories (under
     FSDP as `TrainedPart.gather` returned them on rank 0). `lora` (an
     `appo.models.lora.LoraPolicy`, or under FSDP the `AdapterSnapshot` every rank gathered):
@@ -177,7 +179,7 @@ def save_checkpoint(
                 if lora is not None:
                     lora.save(tmp)
                 else:
-                    model.save_pretrained(tmp, safe_serialization=True)
+                    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
                 tokenizer.save_pretrained(tmp)
                 if merged is not None:
                     merged.save_pretrained(tmp / MERGED_DIR, safe_serialization=True)
@@ -360,7 +362,12 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
             optimizer.load_state_dict(trainer_state["optimizer"])
     elif fsdp:
         check_keys(path, *rollout_model.load_state_dict(state, strict=False))
-        load_full_states(model, optimizer, rollout_model.state_dict(), trainer_state["optimizer"])
+        # The shards from the saved float32 weights themselves (the replica may be
+        # bfloat16), with each tied alias named as FSDP's state dict names it.
+        full = dict(state)
+        for alias, name in _tied_aliases(rollout_model).items():
+            full.setdefault(alias, state[name])
+        load_full_states(model, optimizer, full, trainer_state["optimizer"])
     else:
         check_keys(path, *model.load_state_dict(state, strict=False))
         optimizer.load_state_dict(trainer_state["optimizer"])

@@ -5,6 +5,13 @@ prompts, trajectories are gathered so group advantages see whole groups, each ra
 on the rows it generated, and gradients are summed once per optimizer step. Loss
 normalisers are global (`appo.algos.LossAgg`), so the update equals the single-process one.
 In one process every collective is a no-op.
+
+Devices: on CUDA each rank is pinned to its `LOCAL_RANK` device before the group exists
+(`torch.cuda.set_device`, `init_process_group(device_id=...)`), and the group has two
+backends, `cpu:gloo,cuda:nccl`: NCCL refuses CPU tensors, and the object collectives and
+the small CPU all-reduces below (counts, normalisers) go through gloo. A rank's model lives
+on `rank_device(...)`, whatever `model.device` says (`cuda` alone would put every rank on
+`cuda:0`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,40 @@ def _leave_process_group() -> None:
     time.sleep(0.05)
 
 
+def local_rank() -> int:
+    """This process's index on its node (torchrun / accelerate set LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def backend_for(cuda: bool) -> str:
+    """The process group's backends: gloo for CPU tensors and objects, NCCL for CUDA ones."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_process_group(cuda: bool | None = None, **kwargs) -> None:
+    """Start the default process group for this rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    from the environment, or in `kwargs`). On CUDA the rank's device is set first and
+    passed as `device_id`, so NCCL binds its communicator to it (eagerly) and every
+    collective runs there, not on `cuda:0`."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda:
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend_for(cuda), **kwargs)
+
+
+def rank_device(requested: str, distributed: bool) -> str:
+    """The device a rank's model goes on: with several processes on CUDA, this rank's
+    `cuda:LOCAL_RANK` whatever `model.device` says (`auto`, `cuda` or another index), unless
+    it asks for the CPU; otherwise `requested` as it is."""
+    if distributed and torch.cuda.is_available() and requested != "cpu":
+        return f"cuda:{local_rank()}"
+    return requested
+
+
 class DataParallel:
     """Rank / world size and the few collectives the loop needs (no-ops in one process)."""
 
@@ -44,11 +85,11 @@ class DataParallel:
     @classmethod
     def from_env(cls) -> DataParallel:
         """Join the process group when started by `accelerate launch` / torchrun (WORLD_SIZE,
-        RANK, MASTER_ADDR set): nccl with CUDA, gloo on CPU."""
+        RANK, MASTER_ADDR set): see `init_process_group`."""
         import torch.distributed as dist
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            init_process_group()
             # Leave the group while the interpreter is still whole: a process that exits
             # with the group alive tears gloo's worker threads down during finalisation,
             # which now and then aborts a rank ("terminate called without an active

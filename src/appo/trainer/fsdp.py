@@ -51,6 +51,15 @@ def fsdp_requested(parallel: str, distributed: bool) -> bool:
     return parallel == "auto" and distributed and env
 
 
+def fsdp_offload(section: Any) -> bool:
+    """verl's `fsdp_config.param_offload` / `optimizer_offload` of a config section: FSDP2
+    offloads parameters, gradients and optimizer states together (`CPUOffloadPolicy`), so
+    either one turns it on."""
+    fc = getattr(section, "fsdp_config", None)
+    return bool(fc is not None and (getattr(fc, "param_offload", False)
+                                    or getattr(fc, "optimizer_offload", False)))
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -60,20 +69,59 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_model(model, world: int, decoder=None) -> None:
+def shard_model(model, world: int, decoder=None, compute_dtype: torch.dtype | None = None,
+                offload: bool = False) -> None:
     """Shard `model` in place over `world` ranks: one unit per decoder layer, plus the root.
     `decoder`: the causal LM inside `model` whose layers are the units (the critic's
     backbone: its root unit then holds the rest of the backbone and the value head, and the
     critic's forwards are calls of that root, so its hooks gather the shards); default
-    `model` itself."""
+    `model` itself.
+
+    `compute_dtype` (bfloat16 training over float32 master weights): FSDP2's
+    `MixedPrecisionPolicy` all-gathers the parameters in that dtype (half the traffic and
+    the unsharded memory) and reduces gradients in float32, as verl's FSDP mixed precision
+    does. `offload`: `CPUOffloadPolicy`, the sharded parameters, gradients and optimizer
+    states live in pinned CPU memory and the optimizer steps there (verl's
+    `fsdp_config.param_offload` / `optimizer_offload`)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if compute_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                   reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in decoder_layers(model if decoder is None else decoder):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def sync_replica(sharded, replica) -> None:
+    """Copy the sharded model's current weights into its whole `replica` (the rollout
+    engine's copy), one parameter at a time: each `full_tensor()` is one all-gather (every
+    rank calls them in the same order) and is freed before the next, so the sync never holds
+    a second whole copy of the model; the copy casts to the replica's dtype."""
+    from appo.errors import AppoError
+
+    mine = dict(replica.named_parameters())
+    mine.update(dict(replica.named_buffers()))
+    seen = set()
+    with torch.no_grad():
+        for name, value in list(sharded.named_parameters()) + list(sharded.named_buffers()):
+            target = mine.get(name)
+            if target is None:
+                raise AppoError(f"FSDP weight sync: the rollout copy has no {name!r}")
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            target.copy_(full)
+            seen.add(name)
+            del full
+    missing = set(dict(replica.named_parameters())) - seen
+    if missing:
+        raise AppoError(f"FSDP weight sync: {len(missing)} rollout weights not in the policy, "
+                        f"e.g. {sorted(missing)[0]!r}")
 
 
 def full_model_state(model, rank0_cpu: bool = False) -> dict[str, torch.Tensor]:

@@ -36,9 +36,16 @@ from appo.algos import AdvantageParams
 from appo.errors import AppoError, warn_once
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
 from appo.trainer.critic import Critic, uses_critic
-from appo.trainer.distributed import DataParallel
+from appo.trainer.distributed import DataParallel, rank_device
 from appo.trainer.evaluate import Evaluation, evaluate
-from appo.trainer.fsdp import fsdp_requested, full_model_state, full_optimizer_state, shard_model
+from appo.trainer.fsdp import (
+    fsdp_offload,
+    fsdp_requested,
+    full_model_state,
+    full_optimizer_state,
+    shard_model,
+    sync_replica,
+)
 from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
@@ -141,6 +148,8 @@ class RLTrainer:
         for name, secs in timer.phases.items():
             metrics[f"time/{name}"] = secs
         metrics["time/step"] = sum(timer.phases.values())
+        for name, gb in timer.cuda_peak_gb.items():  # on CUDA only
+            metrics[f"memory/{name}_peak_gb"] = gb
         if self.lora is not None:  # this step's re-merge (inside time/rollout)
             metrics["time/lora_merge"] = self.lora.merge_seconds
         train_tokens = int(train.lengths.sum()) * self.cfg.actor.ppo_epochs
@@ -266,10 +275,7 @@ class RLTrainer:
         if self.lora is not None:
             self.lora.merge()
         if self.fsdp and self.lora is None:
-            from appo.trainer.checkpoint import check_keys
-
-            check_keys("(fsdp shards)", *self.rollout_model.load_state_dict(
-                full_model_state(self.model), strict=False))
+            sync_replica(self.model, self.rollout_model)
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None:
             if getattr(self.engine, "shared_by_ranks", False):
@@ -286,9 +292,10 @@ class RLTrainer:
         from appo.trainer.checkpoint import save_checkpoint
 
         extra = {"config": to_container(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
-        optimizer_state, lora = None, self.lora
+        optimizer_state, lora, model_state = None, self.lora, None
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
-            self.sync_rollout_weights()
+            if self.lora is None:  # the float32 masters, not the engine's replica
+                model_state = full_model_state(self.model, rank0_cpu=True)
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
             lora = self.lora.snapshot() if self.lora is not None else None
         parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
@@ -301,7 +308,7 @@ class RLTrainer:
         return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
                                self.optimizer, self.scheduler, extra=extra,
                                optimizer_state=optimizer_state, parts=parts, lora=lora,
-                               merged=merged)
+                               merged=merged, model_state=model_state)
 
     def _parts(self) -> dict:
         """Trained modules besides the policy, for checkpoints: the critic, if any."""
@@ -340,9 +347,7 @@ class RLTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
-        device = cfg.model.device
-        if device == "auto" and self.dp.enabled and torch.cuda.is_available():
-            device = f"cuda:{self.dp.rank % torch.cuda.device_count()}"
+        device = rank_device(cfg.model.device, self.dp.enabled)
         self.lm = lm or load_model(cfg.model.path, dtype=master_dtype(cfg), device=device)
         self.model = self.lm.model
         # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
@@ -371,9 +376,12 @@ class RLTrainer:
         if self.lora is not None:  # under FSDP built whole before sharding, merged per unit
             self.rollout_model = self.lora.rollout_model()
         elif self.fsdp:
+            # The engine's whole copy, in the forwards' dtype (bfloat16 over float32 masters:
+            # what the engine samples in on GPUs; half the memory of a float32 copy).
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if self.fsdp:
-            shard_model(self.model, self.dp.world)
+            shard_model(self.model, self.dp.world, compute_dtype=self.compute_dtype,
+                        offload=fsdp_offload(cfg.actor))
         check_call_format(cfg, self.tokenizer, announce=self.dp.is_main)
         self.tools = build_tools(cfg.tools)
         train = rl_data_from_config(cfg, "train", self.tokenizer)
@@ -393,14 +401,6 @@ class RLTrainer:
         self.total_steps = self.steps_per_epoch * cfg.trainer.total_epochs
         if cfg.trainer.total_steps is not None:
             self.total_steps = int(cfg.trainer.total_steps)
-        # rollout.name=auto weighs the run's rollout work (this rank's share) against
-        # vLLM's start-up; every rank decides the same from the same config.
-        workload = Workload.training(cfg, self.total_steps, self.dp.world)
-        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model),
-                                   workload=workload, announce=self.dp.is_main)
-        # An engine with its own copy of the weights (vllm, servers) loaded model.path, which a
-        # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
-        self._rollout_stale = hasattr(self.engine, "sync_weights") or self.lora is not None
         self.settings = RolloutSettings.from_config(cfg)
         # verl computes training log-probs at the rollout temperature (docs/algorithms.md §4.7);
         # a greedy rollout (temperature 0) has no such distribution: 1.
@@ -423,6 +423,19 @@ class RLTrainer:
         policy = dataclasses.replace(self.lm, model=self.rollout_model) if self.fsdp else self.lm
         self.critic = (Critic.from_config(cfg, policy, self.total_steps, self.fsdp,
                                           self.compute_dtype) if uses_critic(cfg) else None)
+        if self.fsdp and self.lora is None and self.compute_dtype is not None:
+            # The engine's whole copy in the forwards' dtype (bfloat16 over float32 masters:
+            # what the engine samples in on GPUs, half a float32 copy's memory); converted
+            # once the critic has copied the policy's float32 start weights.
+            self.rollout_model.to(self.compute_dtype)
+        # rollout.name=auto weighs the run's rollout work (this rank's share) against
+        # vLLM's start-up; every rank decides the same from the same config.
+        workload = Workload.training(cfg, self.total_steps, self.dp.world)
+        self.engine = build_engine(cfg, dataclasses.replace(self.lm, model=self.rollout_model),
+                                   workload=workload, announce=self.dp.is_main)
+        # An engine with its own copy of the weights (vllm, servers) loaded model.path, which a
+        # given `lm` or a resumed checkpoint differs from: its first rollout syncs.
+        self._rollout_stale = hasattr(self.engine, "sync_weights") or self.lora is not None
         self.step = 0
         if cfg.trainer.resume:
             from appo.config import to_container

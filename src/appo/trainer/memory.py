@@ -191,8 +191,12 @@ def set_mmap_threshold(kb: int | None) -> bool:
 
 
 def trim_freed_memory() -> None:
-    """Collect garbage and hand the allocator's free pages back to the system (glibc)."""
+    """Collect garbage and hand the allocator's free pages back to the system (glibc); on
+    CUDA also release the caching allocator's free blocks, so the update (or a sleeping
+    engine's neighbour) can have the memory the rollout's KV cache held."""
     gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)

@@ -159,19 +159,30 @@ def plot_metrics(path: str | Path, keys: list[str], out_dir: str | Path) -> list
 
 @dataclass
 class StepTimer:
-    """Wall seconds per phase of a step (`with timer.measure("rollout"): ...`)."""
+    """Wall seconds per phase of a step (`with timer.measure("rollout"): ...`) and, on CUDA,
+    each phase's peak of allocated GPU memory (`cuda_peak_gb`, from the allocator's peak
+    counter, reset as the phase starts)."""
 
     phases: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    cuda_peak_gb: dict[str, float] = field(default_factory=dict)
 
     def measure(self, name: str):
+        import torch  # a step runs with torch loaded; this module is also read without it
+
         timer = self
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
         class _Ctx:
             def __enter__(self):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 self.t0 = time.perf_counter()
 
             def __exit__(self, *exc):
                 timer.phases[name] += time.perf_counter() - self.t0
+                if cuda:
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    timer.cuda_peak_gb[name] = max(timer.cuda_peak_gb.get(name, 0.0), peak)
 
         return _Ctx()
 
