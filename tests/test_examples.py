@@ -3,12 +3,14 @@
 `examples/tutorial.yaml` with its own data (`reverse_*.jsonl`), reward (`reward.py`) and tool
 (`reverse_tool.py`) trains through the command line on the tiny random model, with the
 overrides the tutorial's five-minute check gives, and through the Python API the README shows.
+The CLI run also checks that docs/metrics.md lists every key the training writes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,25 @@ def test_tutorial_trains_from_the_command_line(tmp_path):
     # responses score -1 or 0, never a built-in reward's value outside that set.
     assert rows[0]["reward/mean"] <= 1.0
     assert (out / "global_step_1" / "manifest.json").is_file()
+    assert undocumented_metrics(rows) == []
+
+
+def undocumented_metrics(rows: list[dict]) -> list[str]:
+    """Keys of `metrics.jsonl` rows that docs/metrics.md does not list (`<tool>`-style
+    placeholders in a documented key match any name)."""
+    documented = set(re.findall(r"`([a-z_]+/[^`\s]+|step)`",
+                                (REPO / "docs" / "metrics.md").read_text(encoding="utf-8")))
+    patterns = [re.compile("^" + re.sub(r"<[a-z]+>", "[^/]+", re.escape(k).replace(r"\<", "<")
+                                        .replace(r"\>", ">")) + "$")
+                for k in documented if "<" in k]
+    keys = sorted({k for row in rows for k in row})
+    return [k for k in keys if k not in documented and not any(p.match(k) for p in patterns)]
+
+
+def test_undocumented_metrics_are_found():
+    rows = [{"step": 1, "reward/mean": 0.0, "rollout/calls_reverse_per_traj": 1.0,
+             "rollout/new_thing": 2.0}]
+    assert undocumented_metrics(rows) == ["rollout/new_thing"]
 
 
 def test_tutorial_trains_from_python(tmp_path, monkeypatch):
