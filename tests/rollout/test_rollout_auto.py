@@ -53,8 +53,8 @@ def test_not_installed_is_hf_without_error(monkeypatch):
 
 
 def test_short_run_stays_on_hf_long_run_goes_to_vllm(vllm_present):
-    """The README's 3-step run (4 prompts x 8 rows, 160-token budget) does not repay vLLM's
-    start-up; ten such steps do."""
+    """The 3-step vLLM run of docs/vllm.md (4 prompts x 8 rows, 160-token budget) does not
+    repay vLLM's start-up; ten such steps do."""
     short = choose_engine(Workload(32, 3, 160), cuda=False)
     long = choose_engine(Workload(32, 10, 160), cuda=False)
     assert short.name == "hf" and long.name == "vllm"
