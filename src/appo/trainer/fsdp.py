@@ -1,8 +1,8 @@
 """FSDP for the RL trainer: torch's `fully_shard` (FSDP2), chosen by `trainer.parallel`.
 
-`trainer.parallel=auto` (the default) shards when the process group was started by
-`accelerate launch` with an FSDP config (accelerate sets `ACCELERATE_USE_FSDP=true`);
-`fsdp` / `ddp` force the choice. Each decoder layer is one FSDP unit and the root module
+`trainer.parallel=auto` (the default) shards whenever several processes run on CUDA, and on
+CPU when the process group was started by `accelerate launch` with an FSDP config (accelerate
+sets `ACCELERATE_USE_FSDP=true`); `fsdp` / `ddp` force the choice. Each decoder layer is one FSDP unit and the root module
 (embeddings, final norm, tied head) another, sharded over all ranks; nccl on GPUs, gloo on
 CPU (the tests run it on CPU).
 
@@ -48,7 +48,9 @@ def fsdp_requested(parallel: str, distributed: bool) -> bool:
                             "`accelerate launch` (or torchrun)")
         return True
     env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
-    return parallel == "auto" and distributed and env
+    # Several CUDA processes shard by default: a whole float32 replica plus AdamW states
+    # (16 bytes a parameter) on every GPU does not fit a 7B model on an 80 GB card.
+    return parallel == "auto" and distributed and (env or torch.cuda.is_available())
 
 
 def fsdp_offload(section: Any) -> bool:
