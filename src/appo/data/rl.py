@@ -34,7 +34,7 @@ from appo.data.templates import (
     render_system_prompt,
     repair_latex_escapes,
 )
-from appo.errors import AppoError
+from appo.errors import AppoError, warn_once
 
 ROLES = ("system", "user", "assistant")
 GENERIC_FILE_STEMS = {"test", "train", "valid", "validation", "dev", "eval", "data"}
@@ -312,3 +312,13 @@ def template_tools(cfg: Any) -> list[dict] | None:
     from appo.tools.registry import tool_schemas
 
     return tool_schemas(cfg.tools) or None
+
+
+def report_overlong(key: str, data: Any, limit: int) -> None:
+    """Prompts dropped for length change what a run trains on: say how many, and why."""
+    skipped = data.stats.skipped_overlong if data is not None else 0
+    if not skipped or (skipped == data.stats.rows and key == "data.train_files"):
+        return  # nothing dropped, or no training data at all: an error says so
+    warn_once(f"{key}: skipped {skipped} of {data.stats.rows} prompts longer "
+              f"than data.max_prompt_length={limit} tokens (longest {data.stats.longest}); raise "
+              "it to keep them, or set data.overlong=fail to stop instead")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from appo.algos import AdvantageParams
-from appo.errors import AppoError, warn_once
+from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
 from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel, rank_device
@@ -333,7 +333,7 @@ class RLTrainer:
 
     def _setup(self, lm) -> None:
         """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
-        from appo.data.rl import rl_data_from_config
+        from appo.data.rl import report_overlong, rl_data_from_config
         from appo.models import load_model
         from appo.models.lora import apply_lora
         from appo.rewards import router_from_config
@@ -389,7 +389,7 @@ class RLTrainer:
         val = rl_data_from_config(cfg, "val", self.tokenizer) if cfg.data.val_files else None
         self.val_data = val.examples if val is not None else []
         for key, data in (("data.train_files", train), ("data.val_files", val)):
-            _report_overlong(key, data, cfg.data.max_prompt_length)
+            report_overlong(key, data, cfg.data.max_prompt_length)
         if not self.train_data:
             why = (f": all {train.stats.rows} prompts are longer than data.max_prompt_length="
                    f"{cfg.data.max_prompt_length} (longest {train.stats.longest} tokens)"
@@ -491,12 +491,3 @@ class RLTrainer:
             return get_cosine_schedule_with_warmup(self.optimizer, warmup, total)
         return get_constant_schedule_with_warmup(self.optimizer, warmup)
 
-
-def _report_overlong(key: str, data: Any, limit: int) -> None:
-    """Prompts dropped for length change what a run trains on: say how many, and why."""
-    skipped = data.stats.skipped_overlong if data is not None else 0
-    if not skipped or (skipped == data.stats.rows and key == "data.train_files"):
-        return  # nothing dropped, or no training data at all: an error says so
-    warn_once(f"{key}: skipped {skipped} of {data.stats.rows} prompts longer "
-              f"than data.max_prompt_length={limit} tokens (longest {data.stats.longest}); raise "
-              "it to keep them, or set data.overlong=fail to stop instead")
