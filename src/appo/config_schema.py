@@ -125,6 +125,16 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     enable_prefix_caching: bool = True
     seed: int = 0
+    # vllm engine: sleep between rollouts (verl's key): after a rollout the engine offloads
+    # its weights to CPU and frees its KV cache (vLLM sleep level 1); before the next it
+    # wakes the weights, takes the updated policy, then wakes the KV cache. null: on with
+    # CUDA, off on CPU (vLLM's CPU build has no sleep mode).
+    enable_sleep_mode: bool | None = None
+    # vllm engine: a seed per request, derived from rollout.seed / the step and rank, so
+    # rollouts repeat exactly (resume == uninterrupted). vLLM samples seeded requests one
+    # by one; false seeds the engine once (verl's behaviour), so a GPU batch samples as
+    # one. null: per-request seeds on CPU, engine seed on CUDA.
+    request_seeds: bool | None = None
 
 
 @dataclass

@@ -17,6 +17,10 @@ It knows nothing of tools, rewards or strategies. Operations:
   servers of the openai engine) loads `model`'s current weights; the trainer calls it
   before the first rollout and after every update. The hf engine samples from the
   trainer's module itself and has none.
+- `sleep()` / `wake(model=None)` (optional): an engine that frees its GPU memory between
+  rollouts (vllm's sleep mode); the trainer calls `sleep()` after each training rollout and
+  `wake(model)` before the next (loading `model`'s weights when they changed, then the KV
+  cache), in place of `sync_weights`.
 - `drop_weight_copies()` (optional): free weight copies only the engine's decode path uses
   (the hf engine's packed / transposed matrices); the trainer calls it after each training
   rollout, since the update is about to change every weight they copy.

