@@ -82,7 +82,7 @@ def _compare(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("compare", help="compare methods at an equal budget over seeds "
                                        "(runs what is missing, then a report)")
-    p.add_argument("spec", metavar="SPEC.yaml", help="comparison spec (see README)")
+    p.add_argument("spec", metavar="SPEC.yaml", help="comparison spec (see docs/compare.md)")
     p.add_argument("--report", action="store_true",
                    help="only write the report from the pairs finished so far")
     p.add_argument("--dry-run", action="store_true",

