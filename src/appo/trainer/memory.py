@@ -331,6 +331,18 @@ def memory_options(model, actor, fsdp: bool, mmap_threshold_kb: int | None = Non
     `sdpa_gqa` (CPU only, `appo.models.sdpa_gqa`); and the allocator's
     `trainer.mmap_threshold_kb` (`set_mmap_threshold`)."""
     set_mmap_threshold(mmap_threshold_kb)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:  # transformers < 5
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and (actor.share_prefix_forward or actor.tree_forward):
+        # A checkpointed block recomputes its forward in the backward, and transformers'
+        # checkpointing drops the KV cache the shared-prefix / tree forwards pass between
+        # model calls: those forwards fall back to the plain padded one.
+        from appo.errors import warn_once
+
+        warn_once("model.enable_gradient_checkpointing turns off actor.share_prefix_forward"
+                  f"{' and actor.tree_forward' if actor.tree_forward else ''}: the update "
+                  "computes every row's prompt (set them false to silence this)")
     if actor.lean_mlp_activations and not fsdp:
         lean_mlp_activations(model)
     if actor.sdpa_gqa:

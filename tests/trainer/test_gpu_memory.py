@@ -1,0 +1,60 @@
+"""GPU-aware memory without a GPU: CUDA's allocator calls faked and recorded."""
+
+from __future__ import annotations
+
+import torch
+
+from appo.trainer import memory
+from appo.trainer.metrics import StepTimer
+
+
+def _fake_cuda(monkeypatch, peaks: list[int], calls: list[str]):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peaks.pop(0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+
+def test_each_phase_records_its_own_cuda_peak(monkeypatch):
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, [3 * 2**30, 7 * 2**30, 2 * 2**30], calls)
+    timer = StepTimer()
+    with timer.measure("rollout"):
+        pass
+    with timer.measure("update"):
+        pass
+    with timer.measure("update"):  # a phase measured twice keeps its larger peak
+        pass
+    assert timer.cuda_peak_gb == {"rollout": 3.0, "update": 7.0}
+    assert calls == ["reset"] * 3  # the peak counter restarts with every phase
+
+
+def test_no_cuda_no_peaks():
+    timer = StepTimer()
+    with timer.measure("rollout"):
+        pass
+    if not torch.cuda.is_available():
+        assert timer.cuda_peak_gb == {}
+
+
+def test_the_cache_is_released_between_rollout_and_update(monkeypatch):
+    calls: list[str] = []
+    _fake_cuda(monkeypatch, [], calls)
+    memory.trim_freed_memory()
+    assert calls == ["empty_cache"]
+
+
+def test_checkpointing_says_it_turns_the_shared_prefix_forward_off(monkeypatch):
+    from appo.config import load_config
+    from appo.models import load_model
+
+    said: list[str] = []
+    monkeypatch.setattr("appo.errors.warn_once", said.append)
+    cfg = load_config(overrides=["model.path=tiny-test"])
+    lm = load_model("tiny-test", device="cpu")
+    memory.memory_options(lm.model, cfg.actor, False)
+    assert said == []  # no checkpointing: nothing to say
+    lm.model.gradient_checkpointing_enable()
+    memory.memory_options(lm.model, cfg.actor, False)
+    assert len(said) == 1 and "share_prefix_forward" in said[0]
