@@ -87,14 +87,14 @@ def test_on_cuda_under_a_process_group_each_rank_colocates_an_engine(fake_vllm, 
     assert "enable_chunked_prefill" not in kw
 
 
-def test_on_cpu_under_a_process_group_the_core_runs_in_a_child(fake_vllm, monkeypatch):
+def test_on_cpu_under_a_process_group_each_rank_colocates_too(fake_vllm, monkeypatch):
     import os
 
     _world(monkeypatch, cuda=False, rank=1)
     vllm_engine.start_llm(_cfg())
     (kw,) = fake_vllm.made
-    assert "distributed_executor_backend" not in kw
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "enable_sleep_mode" not in kw and kw["max_model_len"] == 500
     assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 4096
 

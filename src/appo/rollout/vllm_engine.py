@@ -131,7 +131,8 @@ def start_llm(cfg: Any) -> Any:
     # Under DDP/FSDP this process already belongs to the trainer's process group: each rank
     # (or tensor-parallel group) runs its own engine in this process through vLLM's
     # external launcher, which joins that world instead of building its own (TRL's
-    # colocate mode, verl's hybrid engine); the rank's device is the current CUDA device.
+    # colocate mode, verl's hybrid engine); the rank's device is the current CUDA device,
+    # and weights stream to it by reference (no child process, no file).
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     threads = torch.get_num_threads()
@@ -141,10 +142,8 @@ def start_llm(cfg: Any) -> Any:
     if kv_gib is None and on_cpu:
         kv_gib = 2.0
     extra: dict[str, Any] = {"max_model_len": max_model_len(cfg)}
-    if distributed and colocate_supported(on_cpu):
+    if distributed:  # CUDA and vLLM's CPU build alike (two gloo ranks: tests/with_vllm)
         extra["distributed_executor_backend"] = "external_launcher"
-    elif distributed:  # vLLM's CPU build: its own world, in a child process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if sleep_mode(cfg, on_cpu):
         extra["enable_sleep_mode"] = True
     if on_cpu:
@@ -194,14 +193,6 @@ def request_seeds(cfg: Any, on_cpu: bool) -> bool:
     """`rollout.request_seeds`, null meaning per-request seeds on CPU only."""
     value = cfg.rollout.request_seeds
     return on_cpu if value is None else bool(value)
-
-
-def colocate_supported(on_cpu: bool) -> bool:
-    """Whether vLLM runs inside each trainer rank (the external launcher): on CUDA. vLLM's
-    CPU build initialises its own gloo world in the engine's process, so on CPU each rank's
-    engine core runs in a child process (weights then go through a file, see
-    `VLLMEngine.sync_weights`)."""
-    return not on_cpu
 
 
 def _rank() -> int:
@@ -290,9 +281,10 @@ class VLLMEngine(TableRows):
         streamed: one parameter at a time, gathered from its shards (`full_tensor()`) and
         cast to the engine's dtype as vLLM asks for it, so no file is written and no whole
         second copy of the model is ever held. With the engine core in a child process
-        (vLLM's CPU build under DDP/FSDP) they go through a safetensors file in a temporary
+        they go through a safetensors file in a temporary
         directory, which the worker reloads from: vLLM's message encoding does not carry a
-        list of (name, tensor) pairs intact.
+        list of (name, tensor) pairs intact. That is only when the environment asks for a
+        child process (`VLLM_ENABLE_V1_MULTIPROCESSING=1` outside DDP/FSDP).
         """
         if self.in_process:
             self.llm.collective_rpc("reload_weights", kwargs={

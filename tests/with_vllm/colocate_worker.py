@@ -1,0 +1,66 @@
+"""One rank of `test_vllm_colocate.py`: appo's process group, then appo's vLLM engine in this
+rank (external launcher), weights of this rank's own policy streamed in, log-probs checked.
+
+Run under `accelerate launch` with 2 processes; writes `rank{R}.json` into argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":
+    import torch
+
+    from appo.config import load_config
+    from appo.models import load_model
+    from appo.rollout import vllm_server
+    from appo.rollout.sampling import SamplingParams
+    from appo.rollout.vllm_engine import VLLMEngine
+    from appo.trainer.distributed import init_process_group
+
+    out = Path(sys.argv[1])
+    init_process_group()
+    rank = torch.distributed.get_rank()
+    cfg = load_config(overrides=["model.path=smollm2-135m", "rollout.name=vllm",
+                                 "rollout.kv_cache_gib=0.5", "data.max_prompt_length=448",
+                                 "data.max_response_length=64", f"rollout.seed={rank}"])
+    lm = load_model("smollm2-135m", device="cpu")
+    engine = VLLMEngine.from_config(cfg, lm.tokenizer)
+
+    def no_file(*a, **k):
+        raise AssertionError("a colocated engine's sync must not write a file")
+
+    vllm_server.save_state = no_file  # the file route, refused
+    ids = lm.tokenizer.encode("The capital of France is")
+
+    def errors(model) -> list[float]:
+        """|vLLM's behaviour log-prob - an HF forward's| over 12 sampled tokens."""
+        engine.reseed(5)
+        rid = engine.add_row(list(ids))
+        seg = engine.decode([rid], 12, SamplingParams(temperature=1.0))[0]
+        engine.release([rid])
+        full = torch.tensor([ids + seg.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(full).logits[0].float(), -1)
+        return [abs(float(logp[len(ids) + k - 1, t]) - lp)
+                for k, (t, lp) in enumerate(zip(seg.ids, seg.logps, strict=True))]
+
+    base_err = max(errors(lm.model))
+    # This rank's own policy: each rank's engine must serve its rank's weights.
+    with torch.no_grad():
+        lm.model.model.norm.weight.mul_(1.0 + 0.5 * (rank + 1))
+    stale_err = max(errors(lm.model))
+    tmp = Path(tempfile.gettempdir())
+    before = {p.name for p in tmp.iterdir()}
+    engine.sync_weights(lm.model)
+    created = sorted({p.name for p in tmp.iterdir()} - before)
+    synced_err = max(errors(lm.model))
+    result = {"rank": rank, "in_process": engine.in_process, "base_err": base_err,
+              "stale_err": stale_err, "synced_err": synced_err, "created": created,
+              "pid": os.getpid(), "syncs": engine.weight_syncs}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
