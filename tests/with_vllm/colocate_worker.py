@@ -43,11 +43,11 @@ if __name__ == "__main__":
         rid = engine.add_row(list(ids))
         seg = engine.decode([rid], 12, SamplingParams(temperature=1.0))[0]
         engine.release([rid])
-        full = torch.tensor([ids + seg.ids])
+        full = torch.tensor([ids + seg.token_ids])
         with torch.no_grad():
             logp = torch.log_softmax(model(full).logits[0].float(), -1)
         return [abs(float(logp[len(ids) + k - 1, t]) - lp)
-                for k, (t, lp) in enumerate(zip(seg.ids, seg.logps, strict=True))]
+                for k, (t, lp) in enumerate(zip(seg.token_ids, seg.logps, strict=True))]
 
     base_err = max(errors(lm.model))
     # This rank's own policy: each rank's engine must serve its rank's weights.
