@@ -205,3 +205,28 @@ def test_view_refuses_to_write_over_its_input(files):
 def test_view_names_what_a_device_is(files):
     error_line(run_cli("view", "/dev/zero"), "/dev/zero is a character device")
     error_line(run_cli("view", "nothing.jsonl"), "not found")
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"timeout": float("nan")}, "python.params.timeout"),
+    ({"timeout": -1}, "python.params.timeout"),
+    ({"cpu_time": float("inf")}, "python.params.cpu_time"),
+    ({"memory_mb": 0}, "python.params.memory_mb"),
+])
+def test_python_tool_parameters_are_checked(params, key):
+    from appo.errors import AppoError
+    from appo.tools.python_tool import PythonTool
+
+    with pytest.raises(AppoError, match=rf"'tools\.tool_instances\.{re.escape(key)}'"):
+        PythonTool(eager_start=False, **params)
+
+
+def test_search_tool_parameters_are_checked(tmp_path):
+    from appo.errors import AppoError
+    from appo.tools.search_tool import SearchTool
+
+    for params, key in (({"timeout": float("nan")}, "timeout"), ({"max_results": 0},
+                                                                   "max_results")):
+        with pytest.raises(AppoError, match=rf"'tools\.tool_instances\.search\.params\.{key}'"):
+            SearchTool(backend="replay", replay_file=str(tmp_path / "r.json"), cache=False,
+                       **params)
