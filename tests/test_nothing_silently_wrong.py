@@ -230,3 +230,21 @@ def test_search_tool_parameters_are_checked(tmp_path):
         with pytest.raises(AppoError, match=rf"'tools\.tool_instances\.search\.params\.{key}'"):
             SearchTool(backend="replay", replay_file=str(tmp_path / "r.json"), cache=False,
                        **params)
+
+
+# ---------------------------------------------------------------- misleading messages
+def test_config_show_of_a_key_shows_it(files):
+    r = run_cli("config", "show", "rollout.n", "rollout.n=4", "rollout.initial_rollouts=2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "rollout.n: 4\n"
+    r = run_cli("config", "show", "actor.optim")
+    assert r.returncode == 0 and r.stdout.startswith("actor.optim:\n  lr: ")
+    error_line(run_cli("config", "show", "rollout.nn"), "'rollout.nn' is no config file",
+               "did you mean 'rollout.n'")
+    error_line(run_cli("config", "show", "missing.yaml"), "config file not found: missing.yaml")
+
+
+def test_overwrite_and_resume_together_are_refused(files):
+    error_line(run_cli("train", *TRAIN, "trainer.overwrite=true", "trainer.resume=true"),
+               "trainer.overwrite=true and trainer.resume=true", "give one")
+    assert not Path("run").exists()

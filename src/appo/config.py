@@ -73,6 +73,11 @@ def _unknown_key_error(key: str, schema: DictConfig) -> AppoError:
     return AppoError(f"unknown config key {key!r}{hint}")
 
 
+def unknown_key_error(key: str) -> AppoError:
+    """The error for a key the schema lacks, with the nearest valid keys."""
+    return _unknown_key_error(key, OmegaConf.structured(AppoConfig))
+
+
 def _check_sections(schema: DictConfig, other: Any, where: str, prefix: str = "") -> None:
     """A section (`rollout`, `actor.optim`) given a value instead of keys: OmegaConf's own
     merge error for it names no key, so name the section and show the form it takes."""
@@ -196,6 +201,9 @@ def _validate(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator=appo needs rollout.strategy=appo (got "
             f"{cfg.rollout.strategy!r}); use grpo, rloo or reinforce_plus_plus with it"
         )
+    if cfg.trainer.overwrite and cfg.trainer.resume:
+        raise AppoError("trainer.overwrite=true and trainer.resume=true: resume continues the "
+                        "run in trainer.default_local_dir, overwrite deletes it; give one")
     r = cfg.rollout
     if r.initial_rollouts > r.n and r.strategy != "grpo":  # grpo samples n and ignores it
         warn_once(f"rollout.initial_rollouts={r.initial_rollouts} is more than rollout.n={r.n}: "
