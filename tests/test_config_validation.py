@@ -64,7 +64,7 @@ def _bad_values(key: str, kind: type) -> list[str]:
     if rng.lo is not None:
         bad.append(repr(rng.lo) if rng.lo_open else repr(rng.lo - 1))
     if rng.hi is not None:
-        bad.append(repr(rng.hi) if rng.hi_open else repr(rng.hi + 1))
+        bad.append(repr(rng.hi) if rng.hi_open else repr(rng.hi + max(1, abs(rng.hi))))
     if kind is int:
         bad.append("1.5")
     return bad

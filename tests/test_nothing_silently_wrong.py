@@ -99,6 +99,15 @@ def test_a_diverging_sft_run_stops_and_saves_nothing(files):
     assert "final loss" not in r.stdout
 
 
+def test_a_weight_that_overflows_is_never_saved(files):
+    """float16 weights trained in place: a finite gradient step can still overflow them."""
+    r = run_cli("sft", "model.path=tiny-test", "model.dtype=float16", "model.device=cpu",
+                "actor.fp32_master_weights=false", "sft.lr=1e5", "sft.max_steps=1",
+                "sft.batch_size=2", "sft.output_dir=out", "trainer.logger=[jsonl]")
+    error_line(r, "step 1: a weight is not finite", "before saving it")
+    assert _checkpoints(Path("out")) == []
+
+
 def test_the_critic_stops_before_its_step():
     sys.path.insert(0, str(Path(__file__).parent / "trainer"))
     from test_trainer_critic import fixed_critic_rows, make_critic

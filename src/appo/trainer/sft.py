@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from appo.trainer.checkpoint import save_checkpoint
-from appo.trainer.guards import SFT_HINT, check_finite, check_finite_weights
+from appo.trainer.guards import SFT_HINT, check_finite
 from appo.trainer.metrics import MetricsLogger
 from appo.trainer.rundir import unique_run_dir
 
@@ -206,7 +206,6 @@ def train_sft(
             bar.update(1)
             bar.set_postfix(loss=f"{loss_total:.3f}")
             if params.save_freq > 0 and step % params.save_freq == 0:
-                check_finite_weights(model.parameters(), step)
                 _save(out_dir, step, model, tokenizer, optimizer, scheduler, lora, save_merged)
     bar.close()
     model.eval()
@@ -215,7 +214,6 @@ def train_sft(
         result.eval_loss = evaluate_loss(model, val, pad_id, params.batch_size)
         if logger is not None:
             logger.log(step, {"sft/eval_loss": result.eval_loss}, console_keys=["sft/eval_loss"])
-    check_finite_weights(model.parameters(), step)
     result.checkpoint = _save(out_dir, step, model, tokenizer, optimizer, scheduler, lora,
                               save_merged)
     result.seconds = time.perf_counter() - start
