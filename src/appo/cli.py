@@ -104,8 +104,17 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(args: argparse.Namespace, line: str, status: int) -> int:
     if args.debug:
         traceback.print_exc()
+    _end_progress_bars()
     print(line, file=sys.stderr)
     return status
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a failed step left open (tqdm), so that the error starts a line
+    of its own instead of being appended to the bar's."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", None) or ()):
+        bar.close()
 
 
 def _unexpected(args: argparse.Namespace, e: BaseException) -> int:

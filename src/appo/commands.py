@@ -66,19 +66,58 @@ def config_from_args(args: argparse.Namespace, extra_overrides: list[str] | None
 
 
 def _config_show(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
     from appo.config import load_config, to_yaml
     from appo.errors import AppoError
 
     # `appo config show [FILE] key=value ...`: the file is the one item without "=", wherever
-    # it stands (or --config, as for every other command).
+    # it stands (or --config, as for every other command). An item that is no file but a
+    # config key (`appo config show rollout.n`) shows that key only.
     files = [i for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
+    keys = [i for i in files if not Path(i).exists() and _is_config_key(i)]
+    files = [i for i in files if i not in keys]
+    for item in files:
+        if not Path(item).exists() and "." in item and "/" not in item and not item.endswith(
+                (".yaml", ".yml")):  # meant as a key: say which keys are near
+            from appo.config import unknown_key_error
+
+            raise AppoError(f"{item!r} is no config file, and "
+                            + str(unknown_key_error(item)).replace("unknown config key", "no "
+                                                                  "config key", 1))
     if args.config is not None:
         files.insert(0, args.config)
     if len(files) > 1:
         raise AppoError(f"give one config file, got {len(files)}: {', '.join(files)}")
-    print(to_yaml(load_config(files[0] if files else None, overrides)), end="")
+    cfg = load_config(files[0] if files else None, overrides)
+    if not keys:
+        print(to_yaml(cfg), end="")
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if OmegaConf.is_config(value):
+            body = "".join("  " + line + "\n" for line in to_yaml(value).splitlines())
+            print(f"{key}:\n{body}", end="")
+        else:
+            print(OmegaConf.to_yaml({key: value}), end="")
     return 0
+
+
+def _is_config_key(item: str) -> bool:
+    from omegaconf import OmegaConf
+
+    from appo.config import AppoConfig
+
+    if not item or item.startswith(("/", ".")) or item.endswith((".yaml", ".yml")):
+        return False
+    try:
+        node = OmegaConf.select(OmegaConf.structured(AppoConfig), item,
+                                throw_on_missing=False, default=KeyError)
+    except Exception:  # noqa: BLE001 - not a key path OmegaConf can read
+        return False
+    return node is not KeyError
 
 
 def _models(args: argparse.Namespace) -> int:

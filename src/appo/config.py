@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from appo.config_ranges import check_value
 from appo.config_schema import (  # noqa: F401  (re-exported: appo.config is the one import)
     CHOICES,
     LIST_CHOICES,
@@ -34,6 +35,7 @@ from appo.config_schema import (  # noqa: F401  (re-exported: appo.config is the
     CustomRewardConfig,
     DataConfig,
     EvalConfig,
+    FSDPOffloadConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
@@ -42,6 +44,7 @@ from appo.config_schema import (  # noqa: F401  (re-exported: appo.config is the
     ToolsConfig,
     TrainerConfig,
 )
+from appo.config_verl import translate_verl_keys
 from appo.errors import AppoError, warn_once
 
 __all__ = ["MISSING", "AppoConfig", "load_config", "to_yaml", "CHOICES"]
@@ -70,6 +73,11 @@ def _unknown_key_error(key: str, schema: DictConfig) -> AppoError:
     return AppoError(f"unknown config key {key!r}{hint}")
 
 
+def unknown_key_error(key: str) -> AppoError:
+    """The error for a key the schema lacks, with the nearest valid keys."""
+    return _unknown_key_error(key, OmegaConf.structured(AppoConfig))
+
+
 def _check_sections(schema: DictConfig, other: Any, where: str, prefix: str = "") -> None:
     """A section (`rollout`, `actor.optim`) given a value instead of keys: OmegaConf's own
     merge error for it names no key, so name the section and show the form it takes."""
@@ -93,9 +101,9 @@ def _check_sections(schema: DictConfig, other: Any, where: str, prefix: str = ""
                         f"(got {_short(value._value())}); give {form}")
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, limit: int = 60) -> str:
     text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _merge(base: DictConfig, other: Any, where: str, tried: list[str] = ()) -> DictConfig:
@@ -118,15 +126,57 @@ def _merge(base: DictConfig, other: Any, where: str, tried: list[str] = ()) -> D
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
-    dotlist = []
+    import yaml
+
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise AppoError(f"bad override {item!r}: expected key=value, e.g. rollout.n=16")
-        dotlist.append(item)
+        try:  # one at a time: the error names the override it is about
+            OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as e:
+            what = " ".join(filter(None, [getattr(e, "context", None),
+                                          getattr(e, "problem", None)])) or str(e)
+            raise AppoError(f"bad override {item!r}: cannot parse its value "
+                            f"({what.splitlines()[0]})") from None
+        except OmegaConfBaseException as e:
+            raise AppoError(f"bad override {item!r}: {str(e).splitlines()[0]}") from None
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _resolve(cfg: DictConfig) -> None:
+    """Interpolations (`${data.seed}`, `${oc.env:VAR}`) resolved once, in place: a missing or
+    recursive one is one line naming the key."""
     try:
-        return OmegaConf.from_dotlist(dotlist)
+        OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise AppoError(f"bad override: {str(e).splitlines()[0]}") from None
+        detail = (str(e) or type(e).__name__).splitlines()[0]
+        detail = _short(detail.replace("KeyError raised while resolving interpolation: ", ""),
+                        160)
+        key = f" for config key {e.full_key!r}" if e.full_key else ""
+        raise AppoError(f"bad interpolation{key}: {detail}") from None
+
+
+def _numbers(node: Any, prefix: str = ""):
+    """(dotted key, value) of every number in the config; list items as `key.INDEX`."""
+    if isinstance(node, DictConfig):
+        items = [(k, node._get_node(k)) for k in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(i, node._get_node(i)) for i in range(len(node))]
+    else:
+        return
+    for key, child in items:
+        if isinstance(child, (DictConfig, ListConfig)):
+            yield from _numbers(child, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", child._value()
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    """Every number against its range in `appo.config_ranges.RANGES` (floats: finite)."""
+    for key, value in _numbers(cfg):
+        if key.startswith("tools.tool_instances."):
+            continue  # a tool's own parameters: the tool checks them
+        check_value(key, value)
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -143,42 +193,7 @@ def _validate(cfg: DictConfig) -> None:
                     f"bad value in config key {key!r}: {value!r} "
                     f"(choose from {', '.join(allowed)})"
                 )
-    positive = ["rollout.n", "rollout.initial_rollouts", "rollout.beam_size",
-                "rollout.entropy_window", "data.train_batch_size", "data.max_response_length",
-                "actor.ppo_epochs", "actor.ppo_mini_batch_size", "eval.k", "tools.max_workers",
-                "data.val_batch_size", "eval.max_response_length", "actor.logprob_chunk_size",
-                "actor.ppo_max_token_len_per_device", "sft.batch_size", "sft.max_length",
-                "sft.gradient_accumulation_steps"]
-    for key in positive:
-        value = OmegaConf.select(cfg, key)
-        if value < 1:
-            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 1)")
-    # Unset (null) means "derive it": total_steps from the epochs.
-    for key in ["trainer.total_steps", "trainer.total_epochs", "data.max_prompt_length",
-                "critic.ppo_epochs", "critic.ppo_mini_batch_size",
-                "critic.ppo_max_token_len_per_device"]:
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            hint = ": a run of no steps trains nothing" if key.startswith("trainer.") else ""
-            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 1{hint})")
-    for key in ["rollout.temperature", "eval.temperature"]:
-        value = OmegaConf.select(cfg, key)
-        if value < 0:  # samplers treat any value <= 0 as greedy: a sign slip would hide
-            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be >= 0; "
-                            "0 is greedy)")
-    for key in ["actor.max_memory_gb", "actor.activation_memory_gb"]:
-        value = OmegaConf.select(cfg, key)
-        if value is not None and not value > 0:
-            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be > 0 GB, "
-                            "or null)")
-    if cfg.critic.cliprange_value <= 0:  # clamp(-c, c) needs c > 0
-        raise AppoError(f"bad value for config key 'critic.cliprange_value': "
-                        f"{cfg.critic.cliprange_value!r} (must be > 0)")
-    for key in ["rollout.branch_probability", "rollout.top_p", "eval.top_p", "algorithm.gamma",
-                "algorithm.lam"]:
-        value = OmegaConf.select(cfg, key)
-        if not 0.0 <= value <= 1.0:
-            raise AppoError(f"bad value for config key {key!r}: {value!r} (must be in [0, 1])")
+    _check_ranges(cfg)  # type, finite, range: one table (appo.config_ranges)
     if cfg.algorithm.adv_estimator == "appo" and cfg.rollout.strategy != "appo":
         # APPO's credit mapping treats every row with a parent as an untrained branch; arpo /
         # aepo branches are trained rows, so they would silently get no advantage.
@@ -186,6 +201,9 @@ def _validate(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator=appo needs rollout.strategy=appo (got "
             f"{cfg.rollout.strategy!r}); use grpo, rloo or reinforce_plus_plus with it"
         )
+    if cfg.trainer.overwrite and cfg.trainer.resume:
+        raise AppoError("trainer.overwrite=true and trainer.resume=true: resume continues the "
+                        "run in trainer.default_local_dir, overwrite deletes it; give one")
     r = cfg.rollout
     if r.initial_rollouts > r.n and r.strategy != "grpo":  # grpo samples n and ignores it
         warn_once(f"rollout.initial_rollouts={r.initial_rollouts} is more than rollout.n={r.n}: "
@@ -241,10 +259,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         loaded = _load_yaml(path)
         if isinstance(loaded, ListConfig):
             raise AppoError(f"config file {path} must hold a mapping, not a list")
-        cfg = _merge(cfg, loaded, f" (in {path})")
+        where = f" (in {path})"
+        cfg = _merge(cfg, translate_verl_keys(loaded, where), where)
     if overrides:
         tried = [item.split("=", 1)[0] for item in overrides]
-        cfg = _merge(cfg, _parse_overrides(overrides), "", tried)
+        cfg = _merge(cfg, translate_verl_keys(_parse_overrides(overrides)), "", tried)
+    _resolve(cfg)
     _validate(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg  # type: ignore[return-value]

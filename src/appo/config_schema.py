@@ -18,7 +18,8 @@ from omegaconf import MISSING
 __all__ = [
     "CHOICES", "LIST_CHOICES", "MISSING", "ActorConfig", "AlgorithmConfig", "AppoConfig",
     "CriticConfig", "CriticModelConfig",
-    "CustomRewardConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimConfig",
+    "CustomRewardConfig", "DataConfig", "EvalConfig", "FSDPOffloadConfig", "ModelConfig",
+    "OptimConfig",
     "RolloutConfig", "SFTConfig", "ToolInstanceConfig", "ToolsConfig", "TrainerConfig",
 ]
 
@@ -189,6 +190,16 @@ class OptimConfig:
 
 
 @dataclass
+class FSDPOffloadConfig:
+    # verl's `fsdp_config` offload switches (actor.fsdp_config.*), for FSDP2's
+    # CPUOffloadPolicy under trainer.parallel=fsdp: parameters (and their gradients) on the
+    # CPU between uses; the AdamW states on the CPU. TODO(lead): wire in appo.trainer.fsdp;
+    # until then accepted as the original scripts pass them (false) and not acted on.
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+@dataclass
 class ActorConfig:
     policy_loss: str = "vanilla"
     clip_ratio_low: float = 0.2
@@ -257,6 +268,7 @@ class ActorConfig:
     # place (small updates such as lr 1e-6 steps then mostly round away).
     fp32_master_weights: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPOffloadConfig = field(default_factory=FSDPOffloadConfig)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -50,8 +51,12 @@ def test_metrics_jsonl_and_plots(tmp_path, capsys):
     log.log(2, {"reward/mean": 0.5, "loss": float("nan")})
     log.close()
     rows = read_metrics(tmp_path / "metrics.jsonl")
+    # A NaN is kept (null in the file, NaN when read back), never dropped (issue 41).
+    assert math.isnan(rows[1].pop("loss"))
     assert rows == [{"step": 1, "reward/mean": 0.25, "loss": 1.5}, {"step": 2, "reward/mean": 0.5}]
-    assert "step 1:" in capsys.readouterr().err
+    assert '"loss": null' in (tmp_path / "metrics.jsonl").read_text().splitlines()[1]
+    err = capsys.readouterr().err
+    assert "step 1:" in err and "loss=nan" in err
     files = plot_metrics(tmp_path / "metrics.jsonl", ["reward/mean", "absent"], tmp_path / "plots")
     assert [f.name for f in files] == ["reward_mean.png"]
     assert files[0].stat().st_size > 1000

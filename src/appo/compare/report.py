@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,11 @@ class RunCurve:
     seconds: list[float] = field(default_factory=list)
 
 
+def _num(value: Any) -> float:
+    """A metrics.jsonl value: null (a NaN or infinity, appo.trainer.metrics) or absent is NaN."""
+    return math.nan if value is None else float(value)
+
+
 def read_curve(run_dir: Path) -> RunCurve:
     rows: dict[int, dict] = {}
     path = run_dir / "metrics.jsonl"
@@ -54,10 +60,10 @@ def read_curve(run_dir: Path) -> RunCurve:
         r = rows[step]
         curve.steps.append(step)
         for k in CURVE_KEYS:
-            curve.values.setdefault(k, []).append(float(r.get(k, math.nan)))
-        curve.tokens.append(float(r.get("rollout/tokens_decoded", math.nan)))
-        curve.branches.append(float(r.get("rollout/branches", 0.0)))
-        curve.seconds.append(float(r["time/step"]))
+            curve.values.setdefault(k, []).append(_num(r.get(k)))
+        curve.tokens.append(_num(r.get("rollout/tokens_decoded")))
+        curve.branches.append(_num(r.get("rollout/branches", 0.0)))
+        curve.seconds.append(_num(r["time/step"]))
     return curve
 
 

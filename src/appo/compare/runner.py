@@ -96,6 +96,8 @@ def load_result(spec: CompareSpec, variant: str, seed: int) -> PairResult | None
 def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) -> PairResult:
     """Train (or resume) one pair and evaluate it; writes `result.json` last. The `start`
     row (eval.start) is evaluated as loaded."""
+    from appo.errors import AppoError
+    from appo.trainer.guards import NonFiniteError
     from appo.trainer.loop import RLTrainer
 
     resume = pair_state(spec, variant, seed) == "partial"
@@ -105,7 +107,11 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
     trainer = RLTrainer(cfg, progress=progress)
     try:
         if spec.variant(variant).train:
-            trainer.fit(close=False)
+            try:
+                trainer.fit(close=False)
+            except NonFiniteError as e:  # the step, and which pair
+                raise AppoError(f"{variant} seed {seed}: "
+                                f"{e.at_step(trainer.step + 1)}") from None
         result = evaluate_pair(spec, trainer, variant, seed)
     finally:
         trainer.tools.close()

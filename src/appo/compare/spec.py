@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appo.config_ranges import check_value  # the config's own ranges (eval.*)
 from appo.errors import AppoError
 
 BUDGET_KEYS = ("data.train_batch_size", "rollout.n", "trainer.total_steps",
@@ -168,6 +169,8 @@ def _eval(value: Any) -> EvalSpec:
     if spec.k < 1 or spec.temperature <= 0:
         raise AppoError(f"eval.k must be >= 1 and eval.temperature > 0 (sampled pass@k), got "
                         f"k={spec.k}, temperature={spec.temperature}")
+    for key in ("temperature", "top_p", "top_k", "max_response_length"):
+        check_value(f"eval.{key}", getattr(spec, key), where=" (in the compare spec)")
     return spec
 
 

@@ -252,6 +252,10 @@ def render_prompt_ids(messages: list[Message], tokenizer: Any,
                       tools: list[dict] | None = None) -> list[int]:
     """The prompt's token ids: chat template applied (`tools`: function schemas declared to
     it, for native calls), generation prompt included."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise AppoError("the model's tokenizer has no chat template, which renders every "
+                        "prompt: use a chat (instruct) model, or add a chat_template to its "
+                        "tokenizer_config.json")
     ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                         tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

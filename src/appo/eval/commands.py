@@ -157,8 +157,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    from appo.eval.viewer import load_trajectories, render_html
+    from appo.eval.viewer import check_view_output, load_trajectories, render_html
 
+    check_view_output(args.output, args.files)
     trajs = load_trajectories(args.files)
     tokenizer = None
     needs = any(not isinstance(t.extra.get("token_text"), list) for t in trajs)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -47,9 +49,34 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
             files += found
         elif p.is_file():
             files.append(p)
+        elif p.exists():  # /dev/zero, a FIFO, a socket: reading it would never end
+            raise AppoError(f"{p} is {_kind(p)}, not a rollout file (JSONL of trajectories)")
         else:
             raise AppoError(f"rollout file not found: {p}")
     return files
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_view_output(out: str | Path, paths: Sequence[str | Path]) -> None:
+    """Refuse an output that is one of the inputs (it would replace the rollout dump with
+    the page) or a directory; one line naming it."""
+    out = Path(out)
+    if out.is_dir():
+        raise AppoError(f"output {out} is a directory: give the HTML file to write "
+                        f"(e.g. -o {out / 'report.html'})")
+    target = out.resolve()
+    for p in _expand(paths):
+        if p.resolve() == target or (out.exists() and os.path.samefile(p, out)):
+            raise AppoError(f"output {out} is the input {p}: writing the page would replace "
+                            "the rollout dump; choose another -o")
 
 
 def load_trajectories(paths: Sequence[str | Path]) -> list[Trajectory]:

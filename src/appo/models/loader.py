@@ -170,6 +170,26 @@ def _load_hf(path: str, dtype, local_files_only: bool = True, trust_remote_code:
     return model, tok
 
 
+def check_chat_template(tok: Any, source: str) -> None:
+    """A chat template that does not compile is one line when the model loads, not a
+    traceback at the first prompt it renders."""
+    template = getattr(tok, "chat_template", None)
+    templates = list(template.values()) if isinstance(template, dict) else [template]
+    for text in filter(None, templates):
+        try:
+            from jinja2 import TemplateError
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # another transformers: the first render reports it
+            return
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as e:
+            line = f" (its line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise AppoError(f"the chat template of {source} does not compile: {e.message}{line}; "
+                            "fix chat_template in its tokenizer_config.json (or "
+                            "chat_template.jinja)") from None
+
+
 def _in_local_hub_cache(spec: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -250,6 +270,7 @@ def load_model(
         )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_chat_template(tok, source)
     model.to(device)
     model.eval()
     return LoadedModel(

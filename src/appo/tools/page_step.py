@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
+from appo.config_ranges import COUNT, Range, above, at_least, check_dataclass, within
 from appo.errors import AppoError
 from appo.tools.base import ToolResult
 from appo.tools.pages import Fetched, make_fetcher
@@ -53,6 +54,17 @@ class SummariserConfig:
     top_p: float = 0.95
     max_tokens: int = 4096
     timeout: float = 300.0
+
+
+# The ranges of `params.pages` (appo.config_ranges: floats finite unless stated).
+PAGES_RANGES: dict[str, Range] = {
+    "top_k": COUNT, "timeout": above(0.0, "seconds"), "max_bytes": COUNT,
+    "min_host_interval_s": at_least(0.0), "max_page_chars": COUNT, "context_chars": COUNT,
+    "max_documents_chars": at_least(0), "raw_context_chars": at_least(0),
+    "fetch_workers": COUNT, "summariser.temperature": at_least(0.0, "0 is greedy"),
+    "summariser.top_p": within(0.0, 1.0), "summariser.max_tokens": COUNT,
+    "summariser.timeout": above(0.0, "seconds"),
+}
 
 
 @dataclass
@@ -90,8 +102,7 @@ class PagesConfig:
             raise AppoError(f"unknown search pages.summariser key(s) {', '.join(sbad)} "
                             f"(known: {', '.join(sorted(sknown))})")
         cfg = cls(**params, summariser=SummariserConfig(**summ))
-        if cfg.top_k < 1 or cfg.max_page_chars < 1 or cfg.context_chars < 1:
-            raise AppoError("search pages.top_k, max_page_chars and context_chars must be >= 1")
+        check_dataclass(cfg, PAGES_RANGES, "search pages.")
         if cfg.summariser.api not in APIS:
             raise AppoError(f"bad search pages.summariser.api {cfg.summariser.api!r} "
                             f"(choose from {', '.join(APIS)})")

@@ -17,7 +17,7 @@ import re
 import signal as _signal
 import time
 
-from appo.errors import AppoError
+from appo.config_ranges import COUNT, above, at_least, check_value
 from appo.tools.base import ToolResult
 from appo.tools.sandbox import DEFAULT_PRELOAD, RunOutcome, Sandbox, SandboxLimits
 
@@ -97,11 +97,16 @@ class PythonTool:
         strip_fences: bool = True,
         eager_start: bool = True,
     ):
-        for key, value in [("timeout", timeout), ("memory_mb", memory_mb),
-                           ("max_processes", max_processes), ("max_output_chars",
-                                                              max_output_chars)]:
-            if value <= 0:
-                raise AppoError(f"python tool parameter {key} must be > 0, got {value!r}")
+        seconds = above(0.0, "seconds")
+        for key, value, rng in [("timeout", timeout, seconds), ("cpu_time", cpu_time, seconds),
+                                ("memory_mb", memory_mb, COUNT),
+                                ("max_processes", max_processes, COUNT),
+                                ("max_file_mb", max_file_mb, COUNT), ("disk_mb", disk_mb, COUNT),
+                                ("max_output_chars", max_output_chars, COUNT),
+                                ("max_output_bytes", max_output_bytes, COUNT),
+                                ("error_lines", error_lines, at_least(0)),
+                                ("spares", spares, at_least(0))]:
+            check_value(f"tools.tool_instances.{name}.params.{key}", value, rng)
         self.name = name
         self.tag = tag or name
         self.limits = SandboxLimits(

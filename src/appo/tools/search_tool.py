@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from appo.config_ranges import COUNT, above, check_value
 from appo.errors import AppoError
 from appo.tools.base import ToolResult
 from appo.tools.page_step import PagesConfig, PageStep, hits_from_json, hits_to_json
@@ -72,8 +73,10 @@ class SearchTool:
         if miss_policy not in MISS_POLICIES:
             raise AppoError(f"bad search miss_policy {miss_policy!r} "
                             f"(choose from {', '.join(MISS_POLICIES)})")
-        if max_results < 1 or result_length < 1:
-            raise AppoError("search max_results and result_length must be >= 1")
+        for key, value, rng in (("max_results", max_results, COUNT),
+                                ("result_length", result_length, COUNT),
+                                ("timeout", timeout, above(0.0, "seconds"))):
+            check_value(f"tools.tool_instances.{name}.params.{key}", value, rng)
         self.name = name
         self.tag = tag or name
         self.backend_name = "replay" if backend == "cache" else backend

@@ -36,6 +36,7 @@ import torch
 
 from appo.errors import AppoError
 from appo.fsutil import atomic_dir, atomic_write_text, is_write_failure, write_error
+from appo.trainer.guards import check_finite_weights
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
@@ -172,6 +173,9 @@ def save_checkpoint(
     `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
+    for saved in (model if lora is None else None, merged):  # never a NaN / inf weight
+        if saved is not None:
+            check_finite_weights(saved.parameters(), step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         with atomic_dir(final) as tmp:  # removes tmp on any failure

@@ -69,6 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from appo.trainer.guards import NonFiniteError
     from appo.trainer.loop import RLTrainer
 
     cfg = config_from_args(args)
@@ -77,7 +78,10 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.trainer.rollout_data_dir:
         check_output_dir(cfg.trainer.rollout_data_dir, "trainer.rollout_data_dir")
     trainer = RLTrainer(cfg)
-    history = trainer.fit()
+    try:
+        history = trainer.fit()
+    except NonFiniteError as e:  # the update knows no step number: the one being trained
+        raise e.at_step(trainer.step + 1) from None
     if trainer.dp.is_main:
         last = history[-1] if history else {}
         print(f"appo train: {trainer.step} steps; last reward/mean "

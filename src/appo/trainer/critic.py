@@ -36,6 +36,7 @@ from appo.trainer.checkpoint import TrainedPart
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import shard_model, to_float
+from appo.trainer.guards import CRITIC_HINT, check_finite
 from appo.trainer.precision import autocast
 
 
@@ -215,6 +216,7 @@ class Critic:
                 if not self.fsdp:  # FSDP reduces the gradients itself
                     dp.average_gradients(self.params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                check_finite(hint=CRITIC_HINT, **{"critic/grad_norm": to_float(grad_norm)})
                 self.optimizer.step()
                 self.scheduler.step()
                 sums["critic/grad_norm"] += to_float(grad_norm)

@@ -215,7 +215,12 @@ def run_demo(cfg) -> int:
     print(f"[4/5] {cfg.rollout.strategy} RL on {', '.join(cfg.data.train_files)} "
           f"({trainer.total_steps} steps) ...", flush=True)
     t0 = time.perf_counter()
-    history = trainer.fit(close=False)
+    from appo.trainer.guards import NonFiniteError
+
+    try:
+        history = trainer.fit(close=False)
+    except NonFiniteError as e:  # the update knows no step number: the one being trained
+        raise e.at_step(trainer.step + 1) from None
     timings["rl"] = time.perf_counter() - t0
 
     print("[5/5] after RL ...", flush=True)

@@ -72,10 +72,13 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float], console_keys: list[str] | None = None):
         if not self.enabled:
             return
+        # A NaN or infinite value is kept (null in the JSONL, nan on the console): a metric
+        # that vanishes when it goes bad would hide the failure it reports.
         clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
         if "jsonl" in self.sinks:
+            row = {k: v if math.isfinite(v) else None for k, v in clean.items()}
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, **clean}) + "\n")
+                f.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         if "console" in self.sinks:
             keys = console_keys or sorted(clean)
             parts = [f"{k}={clean[k]:.4g}" for k in keys if k in clean]
@@ -95,9 +98,10 @@ class MetricsLogger:
 
 def _is_number(v: Any) -> bool:
     try:
-        return math.isfinite(float(v))
+        float(v)
     except (TypeError, ValueError):
         return False
+    return True
 
 
 def truncate_metrics(path: Path, step: int) -> int:
@@ -122,10 +126,12 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The JSONL's rows; a non-finite value (written as null) reads back as NaN."""
     rows = []
     for line in Path(path).read_text().splitlines():
         if line.strip():
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            rows.append({k: math.nan if v is None else v for k, v in row.items()})
     return rows
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from appo.trainer.checkpoint import save_checkpoint
+from appo.trainer.guards import SFT_HINT, check_finite
 from appo.trainer.metrics import MetricsLogger
 from appo.trainer.rundir import unique_run_dir
 
@@ -187,6 +188,8 @@ def train_sft(
                     loss.backward()
                     loss_total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip)
+            check_finite(step + 1, SFT_HINT,
+                         **{"sft/loss": loss_total, "sft/grad_norm": float(grad_norm)})
             optimizer.step()
             scheduler.step()
             step += 1

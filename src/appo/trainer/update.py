@@ -45,6 +45,7 @@ from appo.trainer.batch import TrainBatch
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_step, to_float
+from appo.trainer.guards import check_finite
 from appo.trainer.memory import sparse_embedding_grads
 from appo.trainer.precision import autocast, head_inputs
 
@@ -232,6 +233,7 @@ def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length
             else:
                 dp.average_gradients(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
+            check_finite(**{"actor/grad_norm": to_float(grad_norm)})  # before the step
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
