@@ -177,3 +177,11 @@ def idle_step(model) -> None:
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
     out = model(input_ids=ids, logits_to_keep=1)
     (out.logits.sum() * 0.0).backward()
+
+
+@torch.no_grad()
+def idle_forward(model) -> None:
+    """A forward without gradients that contributes nothing (no-grad log-prob passes of a
+    sharded model: the old policy's, the KL reference's), to keep ranks' gathers in step."""
+    device = next(model.parameters()).device
+    model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), logits_to_keep=1)

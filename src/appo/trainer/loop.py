@@ -222,7 +222,8 @@ class RLTrainer:
         return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
                                 a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp,
                                 temperature=self.train_temperature,
-                                compute_dtype=self.compute_dtype, tree=a.tree_forward)
+                                compute_dtype=self.compute_dtype, tree=a.tree_forward,
+                                dp=self.dp, fsdp=self.fsdp)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs `[B, T]` of the KL reference: the frozen copy, or under LoRA the base
@@ -389,6 +390,8 @@ class RLTrainer:
         if self.fsdp:
             shard_model(self.model, self.dp.world, compute_dtype=self.compute_dtype,
                         offload=fsdp_offload(cfg.actor))
+            if self.ref_model is not None:  # sharded too: no whole reference on every GPU
+                shard_model(self.ref_model, self.dp.world)
         check_call_format(cfg, self.tokenizer, announce=self.dp.is_main)
         self.tools = build_tools(cfg.tools)
         train = rl_data_from_config(cfg, "train", self.tokenizer)
@@ -463,28 +466,10 @@ class RLTrainer:
         )
 
     def _run_dir(self) -> Path:
-        """Rank 0 applies the run directory policy; every rank takes its answer (the
-        collective is also the barrier before any rank reads the directory)."""
-        from appo.trainer.rundir import new_directories, prepare_run_dir
+        from appo.trainer.rundir import agree_run_dir
 
-        t = self.cfg.trainer
-        decision: str | AppoError | None = None
-        self._new_dirs = new_directories(t.default_local_dir)
-        if self.dp.is_main:
-            try:
-                decision = str(prepare_run_dir(t.default_local_dir, "appo",
-                                               "trainer.default_local_dir", resume=t.resume,
-                                               overwrite=t.overwrite))
-            except AppoError as e:
-                decision = e
-        decision = self.dp.gather_objects([decision] if self.dp.is_main else [])[0]
-        if isinstance(decision, AppoError):
-            raise decision
-        if self.dp.is_main:
-            print(f"appo: run directory {decision}", flush=True)
-        if not t.default_local_dir:  # the new unique directory
-            self._new_dirs.insert(0, Path(str(decision)))
-        return Path(str(decision))
+        path, self._new_dirs = agree_run_dir(self.cfg.trainer, self.dp)
+        return path
 
     def _make_scheduler(self):
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup

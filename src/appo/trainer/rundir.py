@@ -117,3 +117,27 @@ def discard_unused_run_dir(path: Path, new_dirs: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def agree_run_dir(t, dp) -> tuple[Path, list[Path]]:
+    """The RL run's directory under `trainer.*` (`t`): rank 0 applies the policy
+    (`prepare_run_dir`), every rank of `dp` takes its answer (the collective is also the
+    barrier before any rank reads the directory). Returns it and the directories this run
+    creates (`new_directories`, the run directory first when it is a new unique one)."""
+    decision: str | AppoError | None = None
+    new_dirs = new_directories(t.default_local_dir)
+    if dp.is_main:
+        try:
+            decision = str(prepare_run_dir(t.default_local_dir, "appo",
+                                           "trainer.default_local_dir", resume=t.resume,
+                                           overwrite=t.overwrite))
+        except AppoError as e:
+            decision = e
+    decision = dp.gather_objects([decision] if dp.is_main else [])[0]
+    if isinstance(decision, AppoError):
+        raise decision
+    if dp.is_main:
+        print(f"appo: run directory {decision}", flush=True)
+    if not t.default_local_dir:  # the new unique directory
+        new_dirs.insert(0, Path(str(decision)))
+    return Path(str(decision)), new_dirs

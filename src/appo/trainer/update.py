@@ -44,7 +44,7 @@ from appo.algos import (
 from appo.trainer.batch import TrainBatch
 from appo.trainer.distributed import DataParallel
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
-from appo.trainer.fsdp import idle_step, to_float
+from appo.trainer.fsdp import idle_forward, idle_step, to_float
 from appo.trainer.guards import check_finite
 from appo.trainer.memory import sparse_embedding_grads
 from appo.trainer.precision import autocast, head_inputs
@@ -130,9 +130,12 @@ def response_logprobs(model, batch: TrainBatch, chunk_size: int, with_entropy: b
 @torch.no_grad()
 def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
                      share_prefix: bool = True, temperature: float = 1.0,
-                     compute_dtype: torch.dtype | None = None, tree: bool = False) -> Tensor:
+                     compute_dtype: torch.dtype | None = None, tree: bool = False,
+                     dp: DataParallel | None = None, fsdp: bool = False) -> Tensor:
     """No-grad response log-probs `[B, R]` of every row (old / reference policy),
-    token-budgeted; zero past each row's response."""
+    token-budgeted; zero past each row's response. `fsdp`: `model` is sharded, so every
+    rank runs as many forwards (each gathers shards): idle ones for the ranks with fewer
+    micro-batches."""
     out = torch.zeros_like(batch.loss_mask)
     plan = plan_shared_microbatches(batch.input_ids, batch.lengths, max_tokens, batch.uids,
                                     share_prefix, tree)
@@ -141,6 +144,9 @@ def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
                                        share_prefix=share_prefix, temperature=temperature,
                                        compute_dtype=compute_dtype, tree=tree)
         out[torch.tensor(idx), : logp.shape[1]] = logp.float().cpu()
+    if fsdp and dp is not None:
+        for _ in range(dp.max_int(len(plan.batches)) - len(plan.batches)):
+            idle_forward(model)
     return out
 
 
