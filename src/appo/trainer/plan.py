@@ -288,17 +288,15 @@ def layer_bytes_per_token(i: PlanInputs, s: ModelShape, row_tokens: int) -> floa
 
 
 def fixed_bytes_per_token(i: PlanInputs, s: ModelShape) -> float:
-    """Per token outside the layers: the final norm, the LM head's input, token ids, rotary
-    tables."""
+    """Per token outside the layers: the final norm (its input, the normalised input and
+    its output, which the gather of the response positions keeps), the LM head's input
+    (the gathered response positions; every token counted), and per token the ids, the
+    gather's index, the targets, log-sum-exp and entropy (32 bytes)."""
     D = s.hidden
     if _autocast_forward(i):
-        final = 8 * D + 4 + 2 * D  # float32 input and normalised; bfloat16 head input
-        rope = 2 * 4 * s.head_dim
-    else:
-        w = 2 if i.parallel == "fsdp" and i.autocast else i.master_bytes
-        final = 4 * D + 2 * w * D + 4
-        rope = 2 * w * s.head_dim
-    return final + rope + 8
+        return 3 * 4 * D + 2 * D + 4 + 32  # float32 norm tensors; bfloat16 head input
+    w = 2 if i.parallel == "fsdp" and i.autocast else i.master_bytes
+    return 4 * D + 3 * w * D + 4 + 32
 
 
 def residual_bytes(i: PlanInputs) -> int:
@@ -308,18 +306,23 @@ def residual_bytes(i: PlanInputs) -> int:
     return i.master_bytes
 
 
+def _layer_casts(i: PlanInputs, s: ModelShape) -> int:
+    """Autocast's bfloat16 copies of one layer's linear weights, kept for its backward."""
+    return 2 * s.layer_linear_params if _autocast_forward(i) else 0
+
+
 def weight_cast_bytes(i: PlanInputs, s: ModelShape) -> int:
-    """Autocast's bfloat16 copies of the linear weights, kept for the backward: every layer's
-    (one layer's when recomputed under checkpointing) and the LM head's."""
+    """Autocast's bfloat16 weight copies the forward keeps for the backward: every layer's
+    (none under checkpointing: a layer's come back with its recomputation) and the LM head's."""
     if not _autocast_forward(i):
         return 0
-    layers = 1 if i.gradient_checkpointing else s.layers
-    return 2 * (layers * s.layer_linear_params + s.head_params)
+    return (0 if i.gradient_checkpointing else s.layers * _layer_casts(i, s)) + 2 * s.head_params
 
 
 def activation_bytes(i: PlanInputs, s: ModelShape, tokens: int | None = None) -> tuple[int, int]:
-    """(bytes autograd keeps from the forward, bytes of the backward's working set: one
-    layer's activations, recomputed under checkpointing) for a micro-batch of `tokens`."""
+    """(bytes autograd keeps from the forward, weight copies aside; bytes of the backward's
+    working set: one layer's activations, recomputed under checkpointing) for a micro-batch
+    of `tokens` in rows of up to `sequence_tokens`."""
     tokens = i.token_budget if tokens is None else tokens
     row = min(i.sequence_tokens or tokens, tokens)
     per_layer = layer_bytes_per_token(i, s, row)
@@ -327,8 +330,9 @@ def activation_bytes(i: PlanInputs, s: ModelShape, tokens: int | None = None) ->
     if i.gradient_checkpointing:
         saved = tokens * (s.layers * s.hidden * residual_bytes(i) + fixed)
     else:
-        saved = tokens * (s.layers * per_layer + fixed)
-    return int(saved), int(tokens * per_layer)
+        rope = 2 * s.head_dim * row * (4 if _autocast_forward(i) else residual_bytes(i))
+        saved = tokens * (s.layers * per_layer + fixed) + rope
+    return int(saved), int(tokens * per_layer + _layer_casts(i, s))
 
 
 # ------------------------------------------------------------------ the plan
