@@ -279,17 +279,24 @@ def _peak_saved_bytes(model, rows: _Rows, compute_dtype) -> int:
     return state["peak"]
 
 
-def _compare(spec: str, rows: int, row: int) -> dict[str, tuple[int, int]]:
-    """(measured, planned) bytes for model `spec`: weights, gradients and AdamW states, and
-    the activations of the update's forward at `rows` x `row` padded tokens in float32 and
-    in bfloat16 autocast, with and without gradient checkpointing."""
+def _compare(spec: str, rows: int, row: int, hf_config=None) -> dict[str, tuple[int, int]]:
+    """(measured, planned) bytes for model `spec` (or a random model of `hf_config`):
+    weights, gradients and AdamW states, and the activations of the update's forward at
+    `rows` x `row` padded tokens in float32 and in bfloat16 autocast, with and without
+    gradient checkpointing."""
+    from transformers import AutoModelForCausalLM
+
     from appo.models import load_model
     from appo.trainer.memory import memory_options
 
     cfg = load_config(None, [f"model.path={spec}"])
-    _, hf_config = resolve_architecture(spec)
+    if hf_config is None:
+        _, hf_config = resolve_architecture(spec)
+        model = load_model(spec).model.train()
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config).train()
     shape = model_shape(hf_config)
-    model = load_model(spec).model.train()
     plan = plan_memory(_cpu_inputs(cfg, rows * row, row, False, False), shape)
     pairs = {}
     measured = _measured_states(model)
@@ -320,6 +327,20 @@ def test_plan_matches_measured_tiny_test():
     pairs = _compare("tiny-test", rows=4, row=96)
     for key in ("params", "grads", "optimizer"):
         assert pairs[key][0] == pairs[key][1], (key, pairs[key])  # exact
+    _assert_within(pairs)
+
+
+def test_plan_matches_measured_qwen3_layout():
+    """Qwen3's per-head query/key norms and explicit head_dim, on a small random model."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, head_dim=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    assert model_shape(config).qk_norm
+    pairs = _compare("qwen3-small", rows=3, row=80, hf_config=config)
+    for key in ("params", "grads", "optimizer"):
+        assert pairs[key][0] == pairs[key][1], (key, pairs[key])
     _assert_within(pairs)
 
 

@@ -70,6 +70,7 @@ class ModelShape:
     layer_linear_params: int  # one decoder layer's linear weights
     root_params: int  # outside the decoder layers: embeddings, final norm, head
     head_params: int  # the LM head's weight [V, D]
+    qk_norm: bool = False  # RMSNorm on each query and key head (Qwen3)
     lora_params: int = 0  # the adapter's A and B (model.lora_rank > 0)
     lora_tensors: int = 0
     lora_base_params: int = 0  # the adapted layers' base weights
@@ -126,6 +127,7 @@ def model_shape(hf_config: Any, name: str = "", lora_rank: int = 0,
                                 if isinstance(m, torch.nn.Linear)),
         root_params=sum(p.numel() for p in params if id(p) not in in_layers),
         head_params=head.weight.numel() if head is not None else 0,
+        qk_norm=getattr(getattr(layers[0], "self_attn", None), "q_norm", None) is not None,
         lora_params=lora, lora_tensors=lora_tensors, lora_base_params=lora_base,
     )
 
@@ -280,6 +282,8 @@ def layer_bytes_per_token(i: PlanInputs, s: ModelShape, row_tokens: int) -> floa
     grouped = (i.device == "cpu" and i.sdpa_gqa) or s.kv_heads == H
     kv = 2 * c * (s.kv_heads if grouped else H) * d  # keys and values as SDPA keeps them
     attention = c * H * d * 2 + kv + 4 * H  # queries, output, log-sum-exp (float32)
+    if s.qk_norm:  # per head: the float32 input (or copy), 1/rms, the normalised heads
+        attention += (4 + c) * (H + s.kv_heads) * d + 4 * (H + s.kv_heads)
     if i.padded:
         attention += c * row_tokens  # the layer's [rows, 1, T, T] mask
     lean = i.lean_mlp and not i.autocast and i.parallel != "fsdp"
