@@ -231,10 +231,11 @@ class MemoryPlan:
             return (f"fits: peak {gb:.1f} GB per GPU ({self.peak_phase} phase) of {card:g} GB, "
                     f"{card - gb:.1f} GB free")
         big = self.largest
-        keys = ", ".join(big.shrink) if big.shrink else "more GPUs"
+        how = (f"shrink it with {', '.join(big.shrink)}" if big.shrink
+               else "no config key shrinks it")
         return (f"does not fit: the {self.peak_phase} phase needs {gb:.1f} GB per GPU of "
                 f"{card:g} GB; largest term: {big.label} "
-                f"{getattr(big, self.peak_phase) / GIB:.1f} GB (shrink it with {keys})")
+                f"{getattr(big, self.peak_phase) / GIB:.1f} GB ({how})")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -350,7 +351,8 @@ def plan_memory(i: PlanInputs, s: ModelShape, source: str = "") -> MemoryPlan:
     lora = i.lora_rank > 0
     trained = s.lora_params if lora else s.params
     tensors = s.lora_tensors if lora else s.tensors
-    more = ["trainer.parallel=fsdp"] if not fsdp else []
+    more = {"fsdp": ["more GPUs (--gpus / --nodes)"], "ddp": ["trainer.parallel=fsdp"],
+            "single": ["several GPUs with trainer.parallel=fsdp"]}[i.parallel]
     fewer = more + ([] if lora else ["model.lora_rank"])
     dtype = {4: "float32", 2: "bfloat16"}[i.master_bytes]
     per = f", /{shard}" if fsdp else ""
@@ -360,8 +362,7 @@ def plan_memory(i: PlanInputs, s: ModelShape, source: str = "") -> MemoryPlan:
         terms.append(Term(key, label, int(rollout), int(update), shrink))
 
     params = (s.params + (s.lora_params if lora else 0)) * i.master_bytes / shard
-    add("params", f"parameters ({dtype}{per})", params, params,
-        more if not fsdp else ["more GPUs (--gpus / --nodes)"])
+    add("params", f"parameters ({dtype}{per})", params, params, more)
     add("grads", f"gradients ({dtype}{per})", 0, trained * i.master_bytes / shard, fewer)
     # AdamW: two moments per trained element in its dtype, plus one step count per tensor
     optim = 2 * trained * i.master_bytes / shard + 4 * tensors
@@ -390,7 +391,7 @@ def plan_memory(i: PlanInputs, s: ModelShape, source: str = "") -> MemoryPlan:
     if casts:
         add("weight_casts", "bfloat16 weight copies (autocast)", 0, casts,
             ["model.enable_gradient_checkpointing=true"] if not i.gradient_checkpointing
-            else ["trainer.parallel=fsdp"])
+            else more)
     saved, working = activation_bytes(i, s)
     ckpt = "checkpointed" if i.gradient_checkpointing else "no checkpointing"
     act_keys = ["actor.ppo_max_token_len_per_device"] + (
