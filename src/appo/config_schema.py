@@ -317,6 +317,9 @@ class TrainerConfig:
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
     # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
     parallel: str = "auto"
+    # On CUDA the trainer plans its memory per GPU at start-up (appo.trainer.plan_run, as
+    # `appo plan` prints it) and refuses a run predicted not to fit; true starts it anyway.
+    skip_memory_plan: bool = False
     project_name: str = "appo"
     experiment_name: str = "default"
     seed: int = 42

@@ -95,10 +95,11 @@ def build_tiny_tokenizer():
     return tok
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config(vocab_size: int):
+    """The tiny model's `LlamaConfig` (also what `appo plan` plans `tiny-test` from)."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -111,6 +112,12 @@ def build_tiny_model(vocab_size: int, seed: int = 0):
         eos_token_id=None,
         pad_token_id=None,
     )
+
+
+def build_tiny_model(vocab_size: int, seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config(vocab_size)
     # A private RNG stream: building the test model must not disturb (or depend on) the
     # caller's global torch RNG state.
     with torch.random.fork_rng(devices=[]):

@@ -1,10 +1,17 @@
-"""`appo sft`, `appo train`, `appo demo` (the demo's stages are in appo.trainer.demo)."""
+"""`appo sft`, `appo train`, `appo demo` (the demo's stages are in appo.trainer.demo), `appo plan`
+(appo.trainer.plan_run)."""
 
 from __future__ import annotations
 
 import argparse
 
-from appo.commands import add_config_args, config_from_args, split_overrides
+from appo.commands import (
+    add_config_args,
+    config_from_args,
+    positive_float,
+    positive_int,
+    split_overrides,
+)
 from appo.paths import check_output_dir
 
 
@@ -89,7 +96,52 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from appo.config import load_config
+    from appo.errors import AppoError
+    from appo.trainer.plan_run import plan_for_config, render_table
+
+    files = [i for i in args.items if "=" not in i]
+    overrides = [i for i in args.items if "=" in i]
+    if args.config is not None:
+        files.insert(0, args.config)
+    if len(files) > 1:
+        raise AppoError(f"give one config file, got {len(files)}: {', '.join(files)}")
+    cfg = load_config(files[0] if files else None, overrides)
+    plan = plan_for_config(cfg, args.gpus, args.gpu_memory_gb, nodes=args.nodes,
+                           arch=args.arch, overlap=args.overlap)
+    if args.json:
+        print(json.dumps({"config": files[0] if files else None, **plan.to_dict()}, indent=2))
+    else:
+        print(render_table(plan, files[0] if files else ""))
+    return 0 if plan.fits else 1
+
+
 def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="memory per GPU of a run before any GPU is held (exit 1: does not fit)",
+        description="Plan a run's memory per GPU from its config and the model's config.json "
+                    "alone (built on the meta device; no weights, no GPU): parameters, "
+                    "gradients, AdamW states, reference, rollout engine, activations, "
+                    "against the card. GB are 2^30 bytes.")
+    p.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
+    p.add_argument("items", nargs="*", metavar="CONFIG|key=value",
+                   help="the config file and dotted overrides")
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpu-memory-gb", type=positive_float, default=80.0,
+                   help="memory of one GPU in GB (default 80)")
+    p.add_argument("--arch", metavar="NAME|PATH",
+                   help="the model's architecture: a shipped name (qwen2.5-7b, qwen3-8b, "
+                        "qwen3-14b, llama-3.1-8b, smollm2-135m) or a config.json / model "
+                        "directory (default: from model.path)")
+    p.add_argument("--overlap", action="store_true",
+                   help="plan the rollout engine's memory held through the update (default: "
+                        "released, vLLM sleep mode as verl)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(handler=_plan)
     p = sub.add_parser("sft", help="supervised cold start on tool trajectories (sft.*)")
     add_config_args(p)
     p.set_defaults(handler=_sft)
