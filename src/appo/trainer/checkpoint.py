@@ -165,17 +165,21 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `global_step_{step}`; `model_state` replaces `model`'s own weights (FSDP passes
-    the gathered float32 masters, while `model` is the engine's replica, maybe bfloat16); `optimizer_state` replaces `optimizer.state_dict()` (FSDP
-    passes the gathered whole-model state); `parts` go to their own subdirectories (under
+    the gathered float32 masters; `model` is then the engine's replica, maybe bfloat16, or a
+    meta-device skeleton); `optimizer_state` replaces `optimizer.state_dict()` (FSDP passes
+    the gathered whole-model state); `parts` go to their own subdirectories (under
     FSDP as `TrainedPart.gather` returned them on rank 0). `lora` (an
     `appo.models.lora.LoraPolicy`, or under FSDP the `AdapterSnapshot` every rank gathered):
     save its adapter instead of `model`; `merged`: a model also saved (with the tokenizer) to
     `merged/`."""
     root = Path(root)
     final = root / f"global_step_{step}"
-    for saved in (model if lora is None else None, merged):  # never a NaN / inf weight
-        if saved is not None:
-            check_finite_weights(saved.parameters(), step)
+    # Never a NaN / inf weight: what is written (under FSDP the gathered `model_state`).
+    if lora is None:
+        check_finite_weights(model.parameters() if model_state is None else
+                             [t for t in model_state.values() if t.is_floating_point()], step)
+    if merged is not None:
+        check_finite_weights(merged.parameters(), step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         with atomic_dir(final) as tmp:  # removes tmp on any failure

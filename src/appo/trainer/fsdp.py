@@ -185,3 +185,14 @@ def idle_forward(model) -> None:
     sharded model: the old policy's, the KL reference's), to keep ranks' gathers in step."""
     device = next(model.parameters()).device
     model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), logits_to_keep=1)
+
+
+def meta_skeleton(model):
+    """`model`'s architecture on the meta device (no memory): the stand-in for the rollout
+    copy when vLLM takes the weights straight from the shards; a checkpoint saves through it
+    (`save_pretrained(state_dict=...)`) and a resume's whole weights pass through it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model.config)
+    return skeleton.eval().requires_grad_(False)

@@ -9,10 +9,9 @@ One step (`RLTrainer.train_step`), each hand-off a typed record:
     rollout dump, checkpoint, validation.
 
 Deviations from the original (verl) and why:
-- The hf rollout engine shares the policy's weights in memory, so on one process there is no
-  weight sync; under FSDP the engine samples from a whole replica refreshed after each
-  update, and the vllm engine loads the updated weights before the next rollout
-  (`sync_rollout_weights`).
+- The hf engine samples from the policy's own weights in one process, from a whole replica
+  refreshed after each update under FSDP; vllm takes the updated weights before the next
+  rollout, under FSDP straight from the shards (`sync_rollout_weights`).
 - All per-step randomness (sampling, branch decisions) is derived from (seed, step), so a
   resumed run repeats an uninterrupted one bit for bit on CPU.
 - Data parallelism: `appo.trainer.distributed`.
@@ -43,6 +42,7 @@ from appo.trainer.fsdp import (
     fsdp_requested,
     full_model_state,
     full_optimizer_state,
+    meta_skeleton,
     shard_model,
     sync_replica,
 )
@@ -280,20 +280,32 @@ class RLTrainer:
             return
         if self.lora is not None:
             self.lora.merge()
-        if self.fsdp and self.lora is None:
+        source = self.rollout_model
+        if self.fsdp and self.lora is None and self._streams_from_shards():
+            source = self.model  # vLLM gathers each parameter from the shards as it loads it
+        elif self.fsdp and self.lora is None:
             sync_replica(self.model, self.rollout_model)
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None:
             if getattr(self.engine, "shared_by_ranks", False):
                 # Servers every rank talks to: rank 0 saves and reloads them, once.
                 if self.dp.is_main:
-                    sync(self.rollout_model)
+                    sync(source)
                 self.dp.gather_objects([])  # the others wait for it (a barrier)
             elif wake is not None:
-                wake(self.rollout_model)
+                wake(source)
             else:
-                sync(self.rollout_model)
+                sync(source)
         self._rollout_stale = False
+
+    def _streams_from_shards(self) -> bool:
+        """Under FSDP, whether the rollout engine takes the policy straight from the shards
+        (vLLM in this rank, asked for by name), so no whole copy of the model is kept here:
+        not with LoRA (merged copy), APPO (its Branching Score runs on a whole copy) or a
+        critic (copied from the policy's start weights)."""
+        c = self.cfg
+        return (c.rollout.name == "vllm" and self.lora is None and c.rollout.strategy != "appo"
+                and not uses_critic(c))
 
     def save(self) -> Path | None:
         from appo.config import to_container
@@ -383,9 +395,10 @@ class RLTrainer:
         self._rollout_stale = False
         if self.lora is not None:  # under FSDP built whole before sharding, merged per unit
             self.rollout_model = self.lora.rollout_model()
+        elif self.fsdp and self._streams_from_shards():
+            self.rollout_model = meta_skeleton(self.model)  # no whole copy on any GPU
         elif self.fsdp:
-            # The engine's whole copy, in the forwards' dtype (bfloat16 over float32 masters:
-            # what the engine samples in on GPUs; half the memory of a float32 copy).
+            # The engine's whole copy (in the forwards' dtype once the critic has copied it).
             self.rollout_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if self.fsdp:
             shard_model(self.model, self.dp.world, compute_dtype=self.compute_dtype,
@@ -433,7 +446,8 @@ class RLTrainer:
         policy = dataclasses.replace(self.lm, model=self.rollout_model) if self.fsdp else self.lm
         self.critic = (Critic.from_config(cfg, policy, self.total_steps, self.fsdp,
                                           self.compute_dtype) if uses_critic(cfg) else None)
-        if self.fsdp and self.lora is None and self.compute_dtype is not None:
+        if (self.fsdp and self.lora is None and self.compute_dtype is not None
+                and not self._streams_from_shards()):
             # The engine's whole copy in the forwards' dtype (bfloat16 over float32 masters:
             # what the engine samples in on GPUs, half a float32 copy's memory); converted
             # once the critic has copied the policy's float32 start weights.
