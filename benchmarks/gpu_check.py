@@ -18,7 +18,7 @@ What it checks, each a named entry of `gpu_check.json` with `ok` and its figures
   non-zero gradients, CUDA peak memory per phase, decoded and trained tokens/s.
 - `fsdp_resume`: a process group of one rank (`cpu:gloo,cuda:nccl` on CUDA, as
   `appo.trainer.distributed` starts it), `trainer.parallel=fsdp` (FSDP2 with bfloat16
-  all-gathers), two steps saved at each; a second run resumed from step 1 redoes step 2;
+  all-gathers, the KL reference sharded, two epochs), two steps saved at each; a second run resumed from step 1 redoes step 2;
   its metrics and final weights against the uninterrupted run's.
 - `memory_plan`: measured CUDA peaks against `appo plan`'s prediction for the same run,
   where the plan module is present.
@@ -208,8 +208,11 @@ def check_fsdp_resume(args, root: Path) -> dict:
                       LOCAL_RANK="0", WORLD_SIZE="1")
     init_process_group(cuda=args.device == "cuda")
     try:
+        # A KL term (the reference is sharded too) and two epochs (old log-probs: no-grad
+        # passes of the sharded policy).
         common = ("rollout.strategy=arpo", "trainer.parallel=fsdp", "trainer.save_freq=1",
-                  "model.enable_gradient_checkpointing=true")
+                  "model.enable_gradient_checkpointing=true", "actor.use_kl_loss=true",
+                  "actor.kl_loss_coef=0.001", "actor.ppo_epochs=2")
         full = trainer_for(args, make_config(args, root, "fsdp_full", *common,
                                              "trainer.total_steps=2"))
         hist_full = full.fit()
@@ -243,15 +246,34 @@ def check_fsdp_resume(args, root: Path) -> dict:
     return out
 
 
-def check_memory_plan(args, results: dict) -> dict:
-    try:
-        from appo.trainer import plan as plan_mod
-    except ImportError:
-        return {"ok": True, "skipped": "appo.trainer.plan not present"}
-    measure = getattr(plan_mod, "gpu_check_prediction", None)
-    if measure is None:
-        return {"ok": True, "skipped": "appo.trainer.plan has no gpu_check_prediction"}
-    return measure(args, results)
+def check_memory_plan(args, root: Path, results: dict) -> dict:
+    """`appo plan`'s prediction for rl_arpo's run (one GPU, the hf engine) against its
+    measured CUDA peaks at step 2 (optimizer states allocated): rollout and update phase."""
+    from transformers import Qwen2Config
+
+    from appo.models.tiny import build_tiny_tokenizer
+    from appo.trainer.plan import GIB, model_shape, plan_memory
+    from appo.trainer.plan_run import plan_inputs
+
+    if args.device != "cuda":
+        return {"ok": True, "skipped": "no CUDA peaks on CPU (the plan's CPU checks: "
+                                        "tests/trainer/test_plan.py)"}
+    arpo = results.get("rl_arpo", {}).get("step2")
+    if not arpo:
+        return {"ok": False, "error": "rl_arpo did not run"}
+    cfg = make_config(args, root, "plan", "rollout.strategy=arpo",
+                      "model.enable_gradient_checkpointing=true")
+    tok = build_tiny_tokenizer()
+    hf = Qwen2Config(**args.arch, vocab_size=len(tok))
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    plan = plan_memory(plan_inputs(cfg, 1, total, parallel="single"), model_shape(hf))
+    out = {"ok": True}
+    for phase in ("rollout", "update"):
+        predicted = (plan.total(phase) - plan.term("cuda_reserve").rollout) / GIB
+        measured = float(arpo[f"memory/{phase}_peak_gb"])
+        out[phase] = {"predicted_gb": round(predicted, 2), "measured_gb": round(measured, 2),
+                      "ratio": round(measured / predicted, 3)}
+    return out
 
 
 CHECKS = {
@@ -331,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             if not result["ok"]:
                 print(json.dumps({k: v for k, v in result.items()}, indent=1)[-4000:],
                       file=sys.stderr, flush=True)
-        report["checks"]["memory_plan"] = check_memory_plan(args, report["checks"])
+        try:
+            report["checks"]["memory_plan"] = check_memory_plan(args, root, report["checks"])
+        except Exception as e:  # noqa: BLE001 - a finding, like any check's failure
+            report["checks"]["memory_plan"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     report["seconds"] = time.perf_counter() - t0
     report["ok"] = all(r.get("ok") for r in report["checks"].values())
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

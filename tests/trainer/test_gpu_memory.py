@@ -58,3 +58,64 @@ def test_checkpointing_says_it_turns_the_shared_prefix_forward_off(monkeypatch):
     lm.model.gradient_checkpointing_enable()
     memory.memory_options(lm.model, cfg.actor, False)
     assert len(said) == 1 and "share_prefix_forward" in said[0]
+
+
+def _fake_node(monkeypatch, gpus: int = 8, gib: float = 80.0):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=int(gib * 2**30)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+def test_startup_plan_passes_the_published_7b_run_under_fsdp_and_refuses_ddp(monkeypatch):
+    import pytest
+
+    from appo.config import load_config
+    from appo.errors import AppoError
+    from appo.trainer.plan_run import startup_plan
+
+    _fake_node(monkeypatch)
+    cfg = load_config("configs/arpo_qwen2.5_7b_reasoning.yaml")
+    plan = startup_plan(cfg, world=8, fsdp=True)
+    assert plan is not None and plan.fits and plan.inputs.world == 8
+    with pytest.raises(AppoError, match=r"memory plan: does not fit.*AdamW.*skip_memory_plan"):
+        startup_plan(cfg, world=8, fsdp=False)
+    skip = load_config("configs/arpo_qwen2.5_7b_reasoning.yaml",
+                       overrides=["trainer.skip_memory_plan=true"])
+    assert not startup_plan(skip, world=8, fsdp=False).fits  # planned, and let through
+
+
+def test_no_plan_on_cpu():
+    from appo.config import load_config
+    from appo.trainer.plan_run import startup_plan
+
+    if not torch.cuda.is_available():
+        assert startup_plan(load_config(overrides=["model.path=tiny-test"]), 1, False) is None
+
+
+def test_the_trainer_plans_before_it_loads_the_model(monkeypatch, tmp_path):
+    import pytest
+
+    from appo.config import load_config
+    from appo.errors import AppoError
+    from appo.trainer import plan_run
+
+    events = []
+
+    def refuse(cfg, world, fsdp):
+        events.append(("plan", world, fsdp))
+        raise AppoError("memory plan: does not fit (test)")
+
+    monkeypatch.setattr(plan_run, "startup_plan", refuse)
+    monkeypatch.setattr("appo.models.load_model", lambda *a, **k: events.append("load"))
+    cfg = load_config(overrides=["model.path=tiny-test",
+                                 f"trainer.default_local_dir={tmp_path / 'run'}"])
+    from appo.trainer.loop import RLTrainer
+
+    with pytest.raises(AppoError, match="does not fit"):
+        RLTrainer(cfg, progress=False)
+    assert events == [("plan", 1, False)]

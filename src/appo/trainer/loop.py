@@ -299,10 +299,8 @@ class RLTrainer:
         self._rollout_stale = False
 
     def _streams_from_shards(self) -> bool:
-        """Under FSDP, whether the rollout engine takes the policy straight from the shards
-        (vLLM in this rank, asked for by name), so no whole copy of the model is kept here:
-        not with LoRA (merged copy), APPO (its Branching Score runs on a whole copy) or a
-        critic (copied from the policy's start weights)."""
+        """Under FSDP: vLLM (by name) takes the policy from the shards, no whole copy here;
+        not with LoRA, APPO (its Branching Score scores on a copy) or a critic (copies it)."""
         c = self.cfg
         return (c.rollout.name == "vllm" and self.lora is None and c.rollout.strategy != "appo"
                 and not uses_critic(c))
@@ -363,11 +361,15 @@ class RLTrainer:
         from appo.tools.registry import build_tools
         from appo.trainer.checkpoint import resume_training
         from appo.trainer.metrics import MetricsLogger
+        from appo.trainer.plan_run import startup_plan
 
         cfg = self.cfg
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         device = rank_device(cfg.model.device, self.dp.enabled)
+        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
+        if lm is None:  # on CUDA: the memory plan, before anything is loaded (plan_run.py)
+            startup_plan(cfg, self.dp.world, self.fsdp)
         self.lm = lm or load_model(cfg.model.path, dtype=master_dtype(cfg), device=device)
         self.model = self.lm.model
         # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
@@ -380,7 +382,6 @@ class RLTrainer:
             self.model.gradient_checkpointing_enable()
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
-        self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb)
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)

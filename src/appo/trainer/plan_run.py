@@ -16,7 +16,7 @@ from typing import Any
 from appo.errors import AppoError
 from appo.trainer.plan import GIB, MemoryPlan, PlanInputs, check_fits, model_shape, plan_memory
 
-__all__ = ["check_plan_fits", "plan_for_config", "plan_inputs", "render_table"]
+__all__ = ["check_plan_fits", "plan_for_config", "plan_inputs", "render_table", "startup_plan"]
 
 
 def resolve_parallel(parallel: str, world: int) -> str:
@@ -91,6 +91,25 @@ def check_plan_fits(cfg: Any, gpus: int, gpu_memory_gb: float, nodes: int = 1,
     if getattr(cfg.trainer, "skip_memory_plan", False):
         return plan
     return check_fits(plan)
+
+
+def startup_plan(cfg: Any, world: int, fsdp: bool) -> MemoryPlan | None:
+    """`appo train`'s check on CUDA, before the model loads: this node's GPUs (their count
+    from LOCAL_WORLD_SIZE, else every visible one) of this device's memory, the sharding the
+    trainer resolved. None on CPU. Refuses with one line (`check_plan_fits`)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gpus = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() if world > 1
+                              else 1))
+    gpus = max(1, min(gpus, world))
+    nodes = max(1, world // gpus)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    parallel = "fsdp" if fsdp else ("ddp" if world > 1 else "single")
+    return check_plan_fits(cfg, gpus, total, nodes, parallel=parallel)
 
 
 def _gb(n: int) -> str:

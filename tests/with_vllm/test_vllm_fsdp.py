@@ -1,0 +1,45 @@
+"""`appo train rollout.name=vllm trainer.parallel=fsdp` on two ranks from the command line: each
+rank's engine inside the rank, no whole copy of the policy kept (a meta skeleton), the policy
+streamed into vLLM from the FSDP shards after each update and after a resume. The rollouts
+after an update and after a resume must come from the checkpoint written just before them:
+their recorded log-probs equal an HF forward of that checkpoint, not of the base model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_train_run import LOGP_TOL, TRAIN_ARGS, rollout_errors
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+           str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "-m", "appo.cli", "train",
+           *TRAIN_ARGS, "trainer.parallel=fsdp", "rollout.kv_cache_gib=0.5",
+           f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'rollouts'}",
+           *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=2400)
+
+
+def test_fsdp_ranks_stream_from_the_shards_after_update_and_resume(tmp_path):
+    out = tmp_path / "run"
+    first = launch(out, "trainer.total_steps=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-4000:]
+    second = launch(out, "trainer.total_steps=3", "trainer.resume=true")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-4000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/trajectories"] == 8 for r in rows)  # both ranks' rows
+    for step, ckpt in ((2, 1), (3, 2)):  # after an update; after a resume
+        dump = out / "rollouts" / f"step_{step:05d}.jsonl"
+        synced = rollout_errors(out / f"global_step_{ckpt}", dump)
+        assert len(synced) > 20 and max(synced) < LOGP_TOL, (step, max(synced))
+        assert max(rollout_errors("smollm2-135m", dump)) > 10 * LOGP_TOL
