@@ -104,6 +104,21 @@ def test_reference_and_vllm_terms():
     assert held.total("update") > plan.total("update")
 
 
+def test_a_whole_rollout_copy_is_counted_where_the_trainer_keeps_one():
+    """Under FSDP the trainer keeps a whole copy in the compute dtype for the hf engine, APPO's
+    scorer or a critic; vLLM by name streams from the shards and keeps none."""
+    s = model_shape(_small_config())
+    i = PlanInputs(gpus=4, gpu_memory_gb=1.0, parallel="fsdp", rollout_copy=True)
+    assert plan_memory(i, s).term("rollout_copy").rollout == PARAMS * 2  # bf16, not sharded
+    with pytest.raises(KeyError):
+        plan_memory(dataclasses.replace(i, rollout_copy=False), s).term("rollout_copy")
+    appo = load_config("configs/appo_qwen3_8b_deepsearch.yaml")
+    arpo = load_config("configs/arpo_qwen2.5_7b_reasoning.yaml")
+    assert plan_for_config(appo, 8, 80).term("rollout_copy").rollout > 0
+    with pytest.raises(KeyError):
+        plan_for_config(arpo, 8, 80).term("rollout_copy")
+
+
 def _plan_cli(capsys, *args: str) -> tuple[int, str]:
     """`appo plan ARGS` in this process (the subprocess costs seconds of imports)."""
     code = main(["plan", *args])

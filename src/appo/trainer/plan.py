@@ -159,6 +159,10 @@ class PlanInputs:
     logprob_chunk: int = 128
     overlap: bool = False  # the rollout engine keeps its memory through the update
     padded: bool = True  # rows of a micro-batch are padded (an attention mask per layer)
+    # Under FSDP a whole copy of the policy in the compute dtype on every GPU: the hf engine
+    # samples from it, APPO's Branching Score scores with it, a critic starts from it (vLLM
+    # by name otherwise takes the weights from the shards: no copy).
+    rollout_copy: bool = False
 
     @property
     def world(self) -> int:
@@ -371,6 +375,10 @@ def plan_memory(i: PlanInputs, s: ModelShape, source: str = "") -> MemoryPlan:
         ref = s.params * c / shard
         add("reference", f"KL reference ({'bfloat16' if c == 2 else dtype}{per})", ref, ref,
             ["actor.kl_loss_coef=0 / actor.use_kl_loss=false"] + more)
+    if i.rollout_copy and fsdp and not lora:
+        copy_bytes = s.params * c
+        add("rollout_copy", f"whole rollout copy ({'bfloat16' if c == 2 else dtype})",
+            copy_bytes, copy_bytes, ["rollout.name=vllm (not with APPO, a critic)"])
     if lora:  # the merged rollout copy of the adapted weights, whole on every GPU
         merged = s.lora_base_params * i.master_bytes
         add("lora_merged", "LoRA merged rollout copy", merged, merged, ["model.target_modules"])

@@ -57,6 +57,8 @@ def plan_inputs(cfg: Any, gpus: int, gpu_memory_gb: float, nodes: int = 1,
         gradient_checkpointing=bool(m.enable_gradient_checkpointing),
         lean_mlp=bool(a.lean_mlp_activations), sdpa_gqa=bool(a.sdpa_gqa),
         logprob_chunk=int(a.logprob_chunk_size), overlap=overlap,
+        rollout_copy=(r.name != "vllm" or r.strategy == "appo"
+                      or cfg.algorithm.adv_estimator == "gae"),
     )
 
 
