@@ -234,13 +234,20 @@ def _accelerate_launch(*args: str, timeout: float = 300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_process_update_matches_single_process(tmp_path, mode):
-    out = tmp_path / f"{mode}.pt"
+@pytest.fixture(scope="module")
+def two_process_updates(tmp_path_factory) -> dict[str, dict]:
+    """ddp_update_worker.py's update under each layout, from one launch for both (a launch
+    pays two interpreter starts and imports before any work)."""
+    out = tmp_path_factory.mktemp("two_process_update") / "updates.pt"
     r = _accelerate_launch(str(Path(__file__).parent / "ddp_update_worker.py"), str(out),
-                           str(Path(__file__).parent), mode)
+                           str(Path(__file__).parent), "ddp,fsdp")
     assert r.returncode == 0, r.stderr[-3000:]
-    dist = torch.load(out)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_process_update_matches_single_process(two_process_updates, mode):
+    dist = two_process_updates[mode]
     lm = load_model("tiny-test")
     rows = _fixed_rows(lm.tokenizer, n=8)
     start = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
