@@ -26,14 +26,14 @@ install: $(STAMP)
 # The default suite plus the tests that load the real SmolLM2 (marked slow) — the
 # README's test command, and what CI runs.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
-	$(BIN)/python -m pytest -q -m "slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
+	$(BIN)/python -m pytest -q -m "slow" --durations=25 tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow" tests
+	$(BIN)/python -m pytest -q -m "slow" --durations=25 tests
 
 demo: $(STAMP)
 	$(BIN)/appo demo
@@ -61,7 +61,7 @@ vllm-env: $(VLLM_STAMP)
 
 # The tests that run a real vLLM (marker vllm), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -m vllm tests/with_vllm
+	$(VLLM_BIN)/python -m pytest -q -m vllm --durations=25 tests/with_vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

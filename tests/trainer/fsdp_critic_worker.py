@@ -1,7 +1,8 @@
 """Run under `accelerate launch` (2 processes, FSDP): one actor update and the critic's values
-and update on fixed batches, sharded, each rank with the rows of its own prompt groups; then
-the critic's checkpoint part saved (whole states gathered) and loaded into a fresh sharded
-critic, and one more update of both. Rank 0 saves the results.
+and update on fixed batches, sharded, each rank with the rows of its own prompt groups (under
+SGD: the test compares them with one process, see test_trainer_critic.with_sgd); then a
+critic updated by its own AdamW, its checkpoint part saved (whole states gathered) and loaded
+into a fresh sharded critic, and one more update of both. Rank 0 saves the results.
 
 argv: output file, the tests/trainer directory, a directory for the critic's checkpoint part.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, sys.argv[2])  # the tests/trainer directory, for the shared fixed batches
-from test_trainer_critic import fixed_critic_rows, make_critic  # noqa: E402
+from test_trainer_critic import fixed_critic_rows, make_critic, with_sgd  # noqa: E402
 from test_trainer_rl import _fixed_rows  # noqa: E402
 
 from appo.config import ActorConfig  # noqa: E402
@@ -34,7 +35,7 @@ def mine(rows) -> list[int]:
 lm = load_model("tiny-test")
 rows = _fixed_rows(lm.tokenizer, n=8)
 shard_model(lm.model, dp.world)
-opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+opt = torch.optim.SGD(lm.model.parameters(), lr=0.1)
 actor_metrics = update_policy(lm.model, opt, rows.select(mine(rows)),
                               ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64),
                               max_response_length=384, dp=dp, fsdp=True)
@@ -44,12 +45,19 @@ actor_params = full_model_state(lm.model)
 # numbers of micro-batches (idle passes), in the values and in every mini-batch.
 critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2",
                           fsdp=True)
+with_sgd(critic)
 crows = fixed_critic_rows(tok, n=8, branch_row=True)  # uids u0..u3, the branch row in u0
 values = critic.values(crows, mine(crows), dp)
 metrics = critic.update(crows.select(mine(crows)), dp)
 critic_params = full_model_state(critic.model)
 
-# Checkpoint round trip: gather (every rank), rank 0 writes, a fresh sharded critic loads.
+# Checkpoint round trip of a critic as the trainer builds it (AdamW: its moments and step
+# are what a resume must restore): one update, gather (every rank), rank 0 writes, a fresh
+# sharded critic loads.
+critic, _ = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2",
+                        fsdp=True)
+critic.update(crows.select(mine(crows)), dp)
+trained_params = full_model_state(critic.model)
 states = critic.part().gather()
 if dp.is_main:
     states.save(part_dir)
@@ -71,5 +79,6 @@ after, after_loaded = next_update(critic), next_update(fresh)
 if dp.is_main:
     torch.save({"actor_params": actor_params, "actor_metrics": actor_metrics,
                 "values": values, "metrics": metrics, "params": critic_params,
-                "loaded_params": loaded_params, "after": after, "after_loaded": after_loaded},
+                "trained_params": trained_params, "loaded_params": loaded_params,
+                "after": after, "after_loaded": after_loaded},
                out)

@@ -75,17 +75,53 @@ def make_critic(*overrides: str, fsdp: bool = False) -> tuple[Critic, object]:
     return Critic.from_config(cfg, lm, total_steps=3, fsdp=fsdp), lm.tokenizer
 
 
+def with_sgd(critic: Critic, lr: float = 0.1) -> Critic:
+    """`critic` updated by plain SGD (constant `lr`) in place of AdamW, the gradients of each
+    optimizer step recorded (after clipping) in `critic.step_grads`, for comparing updates
+    whose sums run in different orders (micro-batch splits, forwards, ranks). Those agree to
+    float32 rounding, and so do SGD's weights (a step of lr times the gradient); AdamW's
+    first steps move an entry by ~lr whatever its gradient's size, so the rounding of a
+    near-zero gradient becomes a full-lr step either way (issue 44: a comparison at
+    atol=1e-6 after one AdamW step failed on an AVX-512 machine and passed on another)."""
+    critic.optimizer = torch.optim.SGD(critic.params, lr=lr)
+    critic.scheduler = torch.optim.lr_scheduler.LambdaLR(critic.optimizer, lambda _: 1.0)
+    critic.step_grads = []
+    critic.optimizer.register_step_pre_hook(lambda *_: critic.step_grads.append(
+        [None if p.grad is None else p.grad.detach().clone() for p in critic.params]))
+    return critic
+
+
+def assert_same_grads(a: list[list[torch.Tensor | None]], b: list[list[torch.Tensor | None]],
+                      rel: float = 2e-5) -> None:
+    """Recorded step gradients (`with_sgd`) equal to float32 rounding: step for step, each
+    entry within `rel` of its tensor's largest entry (measured on a Zen 3: 1.3e-6 at most)."""
+    assert len(a) == len(b) > 0
+    for step, (ga, gb) in enumerate(zip(a, b, strict=True)):
+        assert len(ga) == len(gb)
+        for k, (x, y) in enumerate(zip(ga, gb, strict=True)):
+            assert (x is None) == (y is None), (step, k)
+            if x is not None:
+                err = float((x - y).abs().max())
+                assert err <= rel * float(x.abs().max()), (step, k, err, float(x.abs().max()))
+
+
 def test_critic_update_ignores_token_budget_and_branch_rows():
     """Micro-batching is a memory knob, and rows without a trained token never enter."""
     results = []
     for budget, branch in ((100_000, False), (48, False), (100_000, True)):
         critic, tok = make_critic(f"critic.ppo_max_token_len_per_device={budget}")
+        with_sgd(critic)  # the gradients are the point; SGD keeps the weights comparable
         results.append((critic, critic.update(fixed_critic_rows(tok, branch_row=branch))))
     (ref, m_ref), *others = results
     assert m_ref["critic/vf_loss"] > 0
+    assert len(ref.step_grads) == 2  # two mini-batches of two prompt groups
+    start = make_critic()[0].model.parameters()
+    assert max(float((a.detach() - b.detach()).abs().max()) for a, b in
+               zip(ref.model.parameters(), start, strict=True)) > 1e-3  # the steps moved
     for critic, m in others:
         assert m["critic/grad_norm"] == pytest.approx(m_ref["critic/grad_norm"], rel=1e-5)
         assert m["critic/vf_loss"] == pytest.approx(m_ref["critic/vf_loss"], rel=1e-5)
+        assert_same_grads(ref.step_grads, critic.step_grads)
         for pa, pb in zip(ref.model.parameters(), critic.model.parameters(), strict=True):
             assert torch.allclose(pa, pb, atol=1e-6)
 
@@ -121,6 +157,7 @@ def test_critic_with_the_tree_forward_equals_the_plain_forward(monkeypatch):
 
     tree, tok = make_critic("actor.tree_forward=true")
     plain, _ = make_critic("actor.share_prefix_forward=false")
+    with_sgd(tree), with_sgd(plain)  # the gradients are the point (see with_sgd)
     assert tree.tree and not plain.share_prefix
     rows = fixed_critic_rows(tok, branches=True)
     # The tree does share more than the common prompt here (the branches' parent tokens).
@@ -135,10 +172,9 @@ def test_critic_with_the_tree_forward_equals_the_plain_forward(monkeypatch):
     assert len(tree_calls) > 1
     assert m_tree["critic/vf_loss"] == pytest.approx(m_plain["critic/vf_loss"], rel=1e-5)
     assert m_tree["critic/grad_norm"] == pytest.approx(m_plain["critic/grad_norm"], rel=1e-5)
-    # Summation order differs, and AdamW's first step scales tiny gradients up to the
-    # learning rate: measured 1.3e-6 at most here (the shared-prefix forward: 1.7e-6).
+    assert_same_grads(plain.step_grads, tree.step_grads)
     for pa, pb in zip(tree.model.parameters(), plain.model.parameters(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-5)
+        assert torch.allclose(pa, pb, atol=1e-6)
 
 
 def test_value_model_head_is_scalar_on_final_hidden_states():
@@ -212,10 +248,12 @@ def test_two_process_critic_matches_single_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     dist = torch.load(out)
     critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    with_sgd(critic)  # as the worker's
     rows = fixed_critic_rows(tok, n=8, branch_row=True)
     values = critic.values(rows, list(range(len(rows))), DataParallel())
     assert torch.allclose(dist["values"], values, atol=1e-5)
     single = critic.update(rows)
+    assert len(critic.step_grads) == 4  # 2 epochs x 2 mini-batches
     assert single["critic/vf_loss"] == pytest.approx(
         dist["metrics"]["critic/vf_loss"], rel=1e-5)
     assert dist["metrics"]["critic/grad_norm"] == pytest.approx(single["critic/grad_norm"],
@@ -273,9 +311,9 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
                            str(Path(__file__).parent), str(tmp_path / "critic_part"))
     assert r.returncode == 0, r.stderr[-3000:]
     dist = torch.load(out)
-    # The actor (as test_two_process_update_matches_single_process).
+    # The actor (as test_two_process_update_matches_single_process), under SGD as there.
     lm = load_model("tiny-test")
-    opt = torch.optim.AdamW(lm.model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(lm.model.parameters(), lr=0.1)
     single = update_policy(lm.model, opt, _fixed_rows(lm.tokenizer, n=8),
                            ActorConfig(ppo_mini_batch_size=4, ppo_max_token_len_per_device=64),
                            max_response_length=384)
@@ -283,8 +321,9 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
                                                                      rel=1e-5)
     for name, p in lm.model.named_parameters():
         assert torch.allclose(dist["actor_params"][name], p, atol=1e-5), name
-    # The critic: values, loss, grad norm and parameters.
+    # The critic: values, loss, grad norm and parameters (SGD, as the worker's).
     critic, tok = make_critic("critic.ppo_max_token_len_per_device=48", "critic.ppo_epochs=2")
+    with_sgd(critic)
     rows = fixed_critic_rows(tok, n=8, branch_row=True)
     values = critic.values(rows, list(range(len(rows))), DataParallel())
     assert torch.allclose(dist["values"], values, atol=1e-5)
@@ -293,11 +332,15 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
     assert dist["metrics"]["critic/grad_norm"] == pytest.approx(m["critic/grad_norm"], rel=1e-5)
     for name, p in critic.model.named_parameters():
         assert torch.allclose(dist["params"][name], p, atol=1e-5), name
-    # The round trip: the saved file holds the updated weights (tied ones once), the loaded
-    # critic equals the saved one, and its next update equals the original's bit for bit.
+    # The round trip (a critic with its AdamW): the saved file holds the updated weights
+    # (tied ones once), the loaded critic equals the saved one, and its next update equals
+    # the original's bit for bit.
     saved = load_file(str(tmp_path / "critic_part" / "model.safetensors"))
     assert "backbone.lm_head.weight" not in saved  # tied to the embeddings
-    for name, t in dist["params"].items():
+    assert dist["trained_params"].keys() == dist["params"].keys()
+    assert not torch.equal(dist["trained_params"]["value_head.weight"],
+                           make_critic()[0].model.value_head.weight)  # it was updated
+    for name, t in dist["trained_params"].items():
         assert torch.equal(dist["loaded_params"][name], t), name
         if name in saved:
             assert torch.equal(saved[name], t), name
@@ -305,7 +348,7 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
     assert m_a == m_b
     for name, t in p_a.items():
         assert torch.equal(p_b[name], t), name
-    assert not torch.equal(p_a["value_head.weight"], dist["params"]["value_head.weight"])
+    assert not torch.equal(p_a["value_head.weight"], dist["trained_params"]["value_head.weight"])
 
 
 def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
