@@ -54,9 +54,20 @@ if __name__ == "__main__":
     with torch.no_grad():
         lm.model.model.norm.weight.mul_(1.0 + 0.5 * (rank + 1))
     stale_err = max(errors(lm.model))
+    source = lm.model
+    if "fsdp" in sys.argv[2:]:  # the same, streamed from FSDP2 shards of a second copy
+        import copy
+
+        from appo.trainer.fsdp import shard_model
+
+        with torch.no_grad():  # one policy for both ranks here: shards hold one model
+            lm.model.model.norm.weight.fill_(1.25)
+        stale_err = max(errors(lm.model))
+        source = copy.deepcopy(lm.model)
+        shard_model(source, torch.distributed.get_world_size())
     tmp = Path(tempfile.gettempdir())
     before = {p.name for p in tmp.iterdir()}
-    engine.sync_weights(lm.model)
+    engine.sync_weights(source)
     created = sorted({p.name for p in tmp.iterdir()} - before)
     synced_err = max(errors(lm.model))
     result = {"rank": rank, "in_process": engine.in_process, "base_err": base_err,
