@@ -51,8 +51,9 @@ if __name__ == "__main__":
 
     base_err = max(errors(lm.model))
     # This rank's own policy: each rank's engine must serve its rank's weights.
-    with torch.no_grad():
+    with torch.no_grad():  # the norm, and the (tied) embedding: vLLM's LM head must follow
         lm.model.model.norm.weight.mul_(1.0 + 0.5 * (rank + 1))
+        lm.model.model.embed_tokens.weight.mul_(1.0 + 0.05 * (rank + 1))
     stale_err = max(errors(lm.model))
     source = lm.model
     if "fsdp" in sys.argv[2:]:  # the same, streamed from FSDP2 shards of a second copy
@@ -62,6 +63,7 @@ if __name__ == "__main__":
 
         with torch.no_grad():  # one policy for both ranks here: shards hold one model
             lm.model.model.norm.weight.fill_(1.25)
+            lm.model.model.embed_tokens.weight.mul_(1.0 / (1.0 + 0.05 * (rank + 1)) * 1.07)
         stale_err = max(errors(lm.model))
         source = copy.deepcopy(lm.model)
         shard_model(source, torch.distributed.get_world_size())

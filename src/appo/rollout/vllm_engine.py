@@ -396,14 +396,18 @@ class VLLMEngine(TableRows):
 def stream_weights(model: Any, dtype: Any = None):
     """`(name, tensor)` of every parameter and buffer of `model`, one at a time: a sharded
     (FSDP2) parameter is gathered whole (`full_tensor()`, a collective every rank runs in
-    the same order) only when vLLM asks for it, and cast to `dtype` (the engine's); tied
-    weights come once, under the name `named_parameters` gives them."""
+    the same order) only when vLLM asks for it, and cast to `dtype` (the engine's); the
+    names are the state dict's, a tied weight under each of its names."""
     import torch
 
-    persistent = set(model.state_dict().keys())  # not e.g. rotary tables vLLM rebuilds
-    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    # Every name of the state dict, tied aliases included (vLLM loads its LM head from
+    # `lm_head.weight` even when it is the embedding), no non-persistent buffer (rotary
+    # tables, which vLLM builds itself).
+    tensors = dict(model.named_buffers(remove_duplicate=False))
+    tensors.update(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for name, value in list(model.named_parameters()) + buffers:
+        for name in model.state_dict().keys():
+            value = tensors[name]
             t = value.full_tensor() if hasattr(value, "full_tensor") else value
             t = t.detach()
             if dtype is not None and t.is_floating_point() and t.dtype != dtype:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 
 import torch
@@ -27,7 +28,17 @@ def _leave_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        # A colocated vLLM engine (external launcher) made its groups inside this world: take
+        # them down first, or vLLM's own exit hook later finds them destroyed and raises.
+        vllm_state = sys.modules.get("vllm.distributed.parallel_state")
+        if vllm_state is not None:
+            try:
+                vllm_state.destroy_model_parallel()
+                vllm_state.destroy_distributed_environment()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
     # gloo's worker threads drop a finished collective's tensors after the caller has
     # returned, and dropping a tensor's Python object takes the GIL. A thread that asks for
     # the GIL once finalisation has begun is ended by Python inside that C++ destructor,
