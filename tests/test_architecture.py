@@ -128,3 +128,13 @@ def test_library_modules_never_import_the_cli():
         if name in cli:
             continue
         assert not deps & cli, f"{name} imports {sorted(deps & cli)}"
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files of
+    one name in different folders stop the whole collection ("import file mismatch")."""
+    import collections
+
+    tests = Path(__file__).resolve().parent
+    names = collections.Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
