@@ -49,31 +49,43 @@ if __name__ == "__main__":
         return [abs(float(logp[len(ids) + k - 1, t]) - lp)
                 for k, (t, lp) in enumerate(zip(seg.token_ids, seg.logps, strict=True))]
 
-    base_err = max(errors(lm.model))
-    # This rank's own policy: each rank's engine must serve its rank's weights.
-    with torch.no_grad():  # the norm, and the (tied) embedding: vLLM's LM head must follow
-        lm.model.model.norm.weight.mul_(1.0 + 0.5 * (rank + 1))
-        lm.model.model.embed_tokens.weight.mul_(1.0 + 0.05 * (rank + 1))
-    stale_err = max(errors(lm.model))
-    source = lm.model
-    if "fsdp" in sys.argv[2:]:  # the same, streamed from FSDP2 shards of a second copy
+    def check(layout: str, change, shard: bool) -> None:
+        """Engine matches the policy; `change` it (the engine is then stale); sync (from a
+        sharded copy when `shard`); the engine matches again. No file on the way."""
         import copy
 
         from appo.trainer.fsdp import shard_model
 
-        with torch.no_grad():  # one policy for both ranks here: shards hold one model
-            lm.model.model.norm.weight.fill_(1.25)
-            lm.model.model.embed_tokens.weight.mul_(1.0 / (1.0 + 0.05 * (rank + 1)) * 1.07)
+        base_err = max(errors(lm.model))
+        with torch.no_grad():
+            change()
         stale_err = max(errors(lm.model))
-        source = copy.deepcopy(lm.model)
-        shard_model(source, torch.distributed.get_world_size())
-    tmp = Path(tempfile.gettempdir())
-    before = {p.name for p in tmp.iterdir()}
-    engine.sync_weights(source)
-    created = sorted({p.name for p in tmp.iterdir()} - before)
-    synced_err = max(errors(lm.model))
-    result = {"rank": rank, "in_process": engine.in_process, "base_err": base_err,
-              "stale_err": stale_err, "synced_err": synced_err, "created": created,
-              "pid": os.getpid(), "syncs": engine.weight_syncs}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+        source = lm.model
+        if shard:
+            source = copy.deepcopy(lm.model)
+            shard_model(source, torch.distributed.get_world_size())
+        syncs = engine.weight_syncs
+        tmp = Path(tempfile.gettempdir())
+        before = {p.name for p in tmp.iterdir()}
+        engine.sync_weights(source)
+        created = sorted({p.name for p in tmp.iterdir()} - before)
+        synced_err = max(errors(lm.model))
+        result = {"rank": rank, "in_process": engine.in_process, "base_err": base_err,
+                  "stale_err": stale_err, "synced_err": synced_err, "created": created,
+                  "pid": os.getpid(), "syncs": engine.weight_syncs - syncs}
+        (out / f"{layout}{rank}.json").write_text(json.dumps(result))
+
+    m = lm.model.model
+    embed0 = m.embed_tokens.weight.detach().clone()
+
+    def own_policy():  # each rank's own: the norm and the (tied) embedding, by rank
+        m.norm.weight.mul_(1.0 + 0.5 * (rank + 1))
+        m.embed_tokens.weight.mul_(1.0 + 0.05 * (rank + 1))
+
+    def shared_policy():  # one policy on both ranks: shards hold one model
+        m.norm.weight.fill_(1.25)
+        m.embed_tokens.weight.copy_(embed0 * 1.07)
+
+    check("whole", own_policy, shard=False)  # vLLM's LM head must follow the tied embedding
+    check("fsdp", shared_policy, shard=True)
     torch.distributed.barrier()

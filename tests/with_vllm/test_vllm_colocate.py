@@ -19,20 +19,21 @@ REPO = HERE.parents[1]
 LOGP_TOL = 5e-4  # as tests/with_vllm/test_vllm_engine.py (float32, different kernels)
 
 
-@pytest.mark.parametrize("layout", ["whole", "fsdp"])
-def test_two_ranks_each_stream_their_policy_into_their_own_engine(tmp_path, layout):
-    """`whole`: each rank its own policy; `fsdp`: one policy sharded over the two ranks,
-    each engine gathering every parameter from the shards as it loads it."""
+def test_two_ranks_each_stream_their_policy_into_their_own_engine(tmp_path):
+    """One launch, two checks on each rank's engine: `whole`, each rank its own policy;
+    `fsdp`, one policy sharded over the two ranks, each engine gathering every parameter
+    from the shards as it loads it."""
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           str(HERE / "colocate_worker.py"), str(tmp_path), layout]
+           str(HERE / "colocate_worker.py"), str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
-    assert ranks[0]["pid"] != ranks[1]["pid"]
-    for res in ranks:
-        assert res["in_process"], res  # the engine lives in the rank: no child process
-        assert res["base_err"] < LOGP_TOL, res
-        assert res["stale_err"] > 10 * LOGP_TOL, res  # the rank's change is visible ...
-        assert res["synced_err"] < LOGP_TOL, res  # ... and the sync carried it
-        assert res["created"] == [] and res["syncs"] == 1, res  # no file written
+    for layout in ("whole", "fsdp"):
+        ranks = [json.loads((tmp_path / f"{layout}{i}.json").read_text()) for i in (0, 1)]
+        assert ranks[0]["pid"] != ranks[1]["pid"]
+        for res in ranks:
+            assert res["in_process"], res  # the engine lives in the rank: no child process
+            assert res["base_err"] < LOGP_TOL, res
+            assert res["stale_err"] > 10 * LOGP_TOL, res  # the change is visible ...
+            assert res["synced_err"] < LOGP_TOL, res  # ... and the sync carried it
+            assert res["created"] == [] and res["syncs"] == 1, res  # no file written

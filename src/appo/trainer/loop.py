@@ -12,8 +12,7 @@ Deviations from the original (verl) and why:
 - The hf engine samples from the policy's own weights in one process, from a whole replica
   refreshed after each update under FSDP; vllm takes the updated weights before the next
   rollout, under FSDP straight from the shards (`sync_rollout_weights`).
-- All per-step randomness (sampling, branch decisions) is derived from (seed, step), so a
-  resumed run repeats an uninterrupted one bit for bit on CPU.
+- Per-step randomness comes from (seed, step): a resume repeats a run bit for bit on CPU.
 - Data parallelism: `appo.trainer.distributed`.
 - LoRA (`model.lora_rank` > 0, `appo.models.lora`): only the adapter trains; the KL
   reference is the base model with the adapter off; the engines sample from a merged
@@ -314,6 +313,8 @@ class RLTrainer:
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
             if self.lora is None:  # the float32 masters, not the engine's replica
                 model_state = full_model_state(self.model, rank0_cpu=True)
+            else:  # the merge below gathers shards: every rank merges now, not rank 0 alone
+                self.sync_rollout_weights()
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
             lora = self.lora.snapshot() if self.lora is not None else None
         parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
