@@ -313,8 +313,8 @@ class RLTrainer:
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
             if self.lora is None:  # the float32 masters, not the engine's replica
                 model_state = full_model_state(self.model, rank0_cpu=True)
-            else:  # the merge below gathers shards: every rank merges now, not rank 0 alone
-                self.sync_rollout_weights()
+            else:
+                self.sync_rollout_weights()  # the merge gathers shards: every rank, not rank 0
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
             lora = self.lora.snapshot() if self.lora is not None else None
         parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
