@@ -4,9 +4,8 @@ One step (`RLTrainer.train_step`), each hand-off a typed record:
     examples (`RLExample`) -> rollout (`RolloutBatch` of `Trajectory`) -> rewards
     (`RewardOutput`, `Trajectory.reward`) -> `TrainBatch` (tensors, built once) ->
     values (only with a critic: `appo.trainer.critic`) -> advantages -> reference log-probs
-    (only with a KL term) -> old log-probs (only when the update is off-policy: several
-    epochs or mini-batches) -> update (`appo.trainer.update`, then the critic's) -> metrics,
-    rollout dump, checkpoint, validation.
+    (with a KL term) -> old log-probs (off-policy updates) -> update (`appo.trainer.update`,
+    then the critic's) -> metrics, rollout dump, checkpoint, validation.
 
 Deviations from the original (verl) and why:
 - The hf engine samples from the policy's own weights in one process, from a whole replica
