@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import weakref
 from pathlib import Path
 
 import torch
@@ -79,45 +78,16 @@ class _Rows:
         return len(self.input_ids)
 
 
-class _Packed:
-    __slots__ = ("t", "__weakref__")
-
-
 def update_step(model, rows, compute_dtype, hooks: bool):
     """One update forward and backward; the peak of bytes saved for the backward (hooks)."""
+    import contextlib
+
+    from appo.trainer.memory import peak_saved_bytes
     from appo.trainer.update import response_logprobs
 
-    params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
-              for p in model.parameters()}
-    live: dict[int, list[int]] = {}
-    state = {"now": 0, "peak": 0}
-
-    def release(ptr):
-        entry = live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            state["now"] -= entry[1]
-            del live[ptr]
-
-    def pack(t):
-        box = _Packed()
-        box.t = t.detach()
-        ptr = t.untyped_storage().data_ptr()
-        base = t if t._base is None else t._base
-        if ptr in params or isinstance(base, torch.nn.Parameter):  # FSDP's unsharded too
-            return box
-        if ptr in live:
-            live[ptr][0] += 1
-        else:
-            live[ptr] = [1, t.untyped_storage().nbytes()]
-            state["now"] += live[ptr][1]
-            state["peak"] = max(state["peak"], state["now"])
-        weakref.finalize(box, release, ptr)
-        return box
-
-    ctx = (torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t) if hooks
-           else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-    with ctx:
+    state = {"peak": 0}
+    ctx = peak_saved_bytes(model) if hooks else contextlib.nullcontext(state)
+    with ctx as state:
         logp, _, valid = response_logprobs(model, rows, 128, with_entropy=True,
                                            share_prefix=False, compute_dtype=compute_dtype)
         loss = -(logp * valid).sum() / valid.sum()

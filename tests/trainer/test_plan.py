@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import weakref
 from pathlib import Path
 
 import pytest
@@ -251,43 +250,13 @@ class _Rows:
         return len(self.input_ids)
 
 
-class _Packed:
-    __slots__ = ("t", "__weakref__")
-
-
 def _peak_saved_bytes(model, rows: _Rows, compute_dtype) -> int:
     """The most bytes autograd holds for the backward at any moment of the update's forward
-    (`response_logprobs`: the model, the LM head's chunked log-probs), parameters aside; each
-    storage once, released when the graph lets go of it."""
+    (`response_logprobs`: the model, the LM head's chunked log-probs), parameters aside."""
+    from appo.trainer.memory import peak_saved_bytes
     from appo.trainer.update import response_logprobs
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    live: dict[int, list[int]] = {}
-    state = {"now": 0, "peak": 0}
-
-    def release(ptr: int) -> None:
-        entry = live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            state["now"] -= entry[1]
-            del live[ptr]
-
-    def pack(t: torch.Tensor) -> _Packed:
-        box = _Packed()
-        box.t = t.detach()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in params:
-            return box
-        if ptr in live:
-            live[ptr][0] += 1
-        else:
-            live[ptr] = [1, t.untyped_storage().nbytes()]
-            state["now"] += live[ptr][1]
-            state["peak"] = max(state["peak"], state["now"])
-        weakref.finalize(box, release, ptr)
-        return box
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t):
+    with torch.enable_grad(), peak_saved_bytes(model) as state:
         out = response_logprobs(model, rows, 128, with_entropy=True, share_prefix=False,
                                 compute_dtype=compute_dtype)
     del out

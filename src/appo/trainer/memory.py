@@ -79,6 +79,50 @@ def saved_bytes(model, ids: torch.Tensor, lengths: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+class _Packed:
+    __slots__ = ("t", "__weakref__")
+
+
+@contextmanager
+def peak_saved_bytes(model) -> Iterator[dict[str, int]]:
+    """Within the block, track the bytes autograd holds for the backward: yields a dict whose
+    "peak" is the most held at any moment (each storage once, released when the graph lets
+    go of it), parameters aside (FSDP's unsharded ones too: a tensor whose base is a
+    `Parameter`). `appo plan`'s activation model is checked against it."""
+    import weakref
+
+    params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
+              for p in model.parameters()}
+    live: dict[int, list[int]] = {}
+    state = {"now": 0, "peak": 0}
+
+    def release(ptr: int) -> None:
+        entry = live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            state["now"] -= entry[1]
+            del live[ptr]
+
+    def pack(t: torch.Tensor) -> _Packed:
+        box = _Packed()
+        box.t = t.detach()
+        ptr = t.untyped_storage().data_ptr()
+        base = t if t._base is None else t._base
+        if ptr in params or isinstance(base, torch.nn.Parameter):
+            return box
+        if ptr in live:
+            live[ptr][0] += 1
+        else:
+            live[ptr] = [1, t.untyped_storage().nbytes()]
+            state["now"] += live[ptr][1]
+            state["peak"] = max(state["peak"], state["now"])
+        weakref.finalize(box, release, ptr)
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t):
+        yield state
+
+
 def activation_bytes_per_token(model) -> float:
     """Saved bytes per computed token of a training forward (two probe lengths, so fixed
     costs cancel)."""
