@@ -24,36 +24,42 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.models.lora import apply_lora
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.precision import master_dtype, train_compute_dtype
-    from appo.trainer.rundir import prepare_run_dir
+    from appo.trainer.rundir import open_run_dir
     from appo.trainer.sft import train_sft
 
     cfg = config_from_args(args)
     if cfg.sft.output_dir:  # a file in the way or a read-only disk: one line, now
         check_output_dir(cfg.sft.output_dir, "sft.output_dir")
-    # Before anything is loaded: a new SFT run never writes into an old run's directory.
-    cfg.sft.output_dir = str(prepare_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
-                                             overwrite=cfg.trainer.overwrite, resumable=False))
+    # Before anything is loaded: a new SFT run never writes into an old run's directory,
+    # and a start that fails (bad data) leaves nothing behind (appo.trainer.rundir).
+    run = open_run_dir(cfg.sft.output_dir, "sft", "sft.output_dir",
+                       overwrite=cfg.trainer.overwrite, resumable=False)
+    cfg.sft.output_dir = str(run.path)
     print(f"appo sft: run directory {cfg.sft.output_dir}", flush=True)
-    # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
-    lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
-    torch.manual_seed(cfg.trainer.seed)  # the LoRA adapter's initialisation
-    lora = apply_lora(lm.model, cfg.model)  # None: full fine-tuning
-    from appo.trainer.memory import memory_options  # the same savings as in RL
+    with run.starting():
+        # bfloat16: float32 master weights, bfloat16 forwards (appo.trainer.precision)
+        lm = load_model(cfg.model.path, dtype=master_dtype(cfg), device=cfg.model.device)
+        torch.manual_seed(cfg.trainer.seed)  # the LoRA adapter's initialisation
+        lora = apply_lora(lm.model, cfg.model)  # None: full fine-tuning
+        from appo.trainer.memory import memory_options  # the same savings as in RL
 
-    memory_options(lm.model, cfg.actor, fsdp=False, mmap_threshold_kb=cfg.trainer.mmap_threshold_kb)
-    train = sft_data_from_config(cfg, lm.tokenizer, "train")
-    if not train.examples:
-        raise AppoError("sft.train_files produced no examples")
-    val = sft_data_from_config(cfg, lm.tokenizer, "val").examples if cfg.sft.val_files else None
+        memory_options(lm.model, cfg.actor, fsdp=False,
+                       mmap_threshold_kb=cfg.trainer.mmap_threshold_kb)
+        train = sft_data_from_config(cfg, lm.tokenizer, "train")
+        if not train.examples:
+            raise AppoError("sft.train_files produced no examples")
+        val = (sft_data_from_config(cfg, lm.tokenizer, "val").examples if cfg.sft.val_files
+               else None)
+        logger = MetricsLogger(cfg.sft.output_dir, list(cfg.trainer.logger))
     s = cfg.sft
-    logger = MetricsLogger(s.output_dir, list(cfg.trainer.logger))
     print(f"appo sft: {len(train.examples)} examples "
           f"({train.stats.skipped_overlong} skipped as too long), model {cfg.model.path}")
-    result = train_sft(lm.model, lm.tokenizer, train.examples, s, seed=cfg.trainer.seed,
-                       val=val, logger=logger,
-                       gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                       compute_dtype=train_compute_dtype(cfg), lora=lora,
-                       save_merged=cfg.model.lora_save_merged)
+    with run.running():
+        result = train_sft(lm.model, lm.tokenizer, train.examples, s, seed=cfg.trainer.seed,
+                           val=val, logger=logger,
+                           gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                           compute_dtype=train_compute_dtype(cfg), lora=lora,
+                           save_merged=cfg.model.lora_save_merged)
     logger.close()
     last = result.train_loss[-1] if result.train_loss else float("nan")
     print(f"appo sft: {result.steps} steps in {result.seconds:.0f} s, final loss {last:.4f}"

@@ -47,7 +47,7 @@ from appo.trainer.fsdp import (
 from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.precision import master_dtype, train_compute_dtype
-from appo.trainer.rundir import discard_unused_run_dir
+from appo.trainer.rundir import agree_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
 
 CONSOLE_KEYS = ["reward/mean", "reward/accuracy", "rollout/tool_calls_per_traj",
@@ -68,25 +68,26 @@ class RLTrainer:
 
         t = self.cfg.trainer
         history: list[dict[str, float]] = []
-        if t.val_before_train and self.step == 0:
-            val = self.validate()
-            self.logger.log(0, val, console_keys=sorted(val))
-            history.append({"step": 0, **val})
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="rl", disable=not self.progress,
-                   leave=False)
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            self.step += 1
-            if t.test_freq > 0 and self.step % t.test_freq == 0:
-                metrics.update(self.validate())
-            self.logger.log(self.step, metrics, console_keys=CONSOLE_KEYS)
-            history.append({"step": self.step, **metrics})
-            if t.save_freq > 0 and self.step % t.save_freq == 0:
+        with self.run_dir.running():  # a first step that fails leaves nothing (rundir.py)
+            if t.val_before_train and self.step == 0:
+                val = self.validate()
+                self.logger.log(0, val, console_keys=sorted(val))
+                history.append({"step": 0, **val})
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="rl", disable=not self.progress,
+                       leave=False)
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                if t.test_freq > 0 and self.step % t.test_freq == 0:
+                    metrics.update(self.validate())
+                self.logger.log(self.step, metrics, console_keys=CONSOLE_KEYS)
+                history.append({"step": self.step, **metrics})
+                if t.save_freq > 0 and self.step % t.save_freq == 0:
+                    self.save()
+                bar.update(1)
+            bar.close()
+            if self.step > 0 and (t.save_freq <= 0 or self.step % t.save_freq != 0):
                 self.save()
-            bar.update(1)
-        bar.close()
-        if self.step > 0 and (t.save_freq <= 0 or self.step % t.save_freq != 0):
-            self.save()
         if self.dp.is_main and "jsonl" in t.logger and self.logger.path.exists():
             from appo.trainer.metrics import plot_metrics
 
@@ -94,6 +95,7 @@ class RLTrainer:
         self.logger.close()
         if close:
             self.tools.close()
+            self.run_dir.release()
         return history
 
     def train_step(self) -> dict[str, float]:
@@ -337,17 +339,13 @@ class RLTrainer:
         self.cfg = cfg
         self.dp = DataParallel.from_env()
         self.progress = progress and self.dp.is_main
-        # Before anything is loaded or written: the run directory policy (rundir.py).
-        self.out_dir = self._run_dir()
+        # Before anything is loaded or written: the run directory policy (rundir.py); a
+        # failed start leaves nothing new behind, and a replaced run is deleted only after.
+        self.run_dir = agree_run_dir(cfg.trainer, self.dp)
+        self.out_dir = self.run_dir.path
         cfg.trainer.default_local_dir = str(self.out_dir)  # what the checkpoints record
-        try:
+        with self.run_dir.starting():
             self._setup(lm)
-        except BaseException:
-            # A run that fails while starting (bad data, a model that does not load) leaves
-            # no new empty directory behind, so the same command can simply be run again.
-            if self.dp.is_main and not cfg.trainer.resume:
-                discard_unused_run_dir(self.out_dir, self._new_dirs)
-            raise
 
     def _setup(self, lm) -> None:
         """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
@@ -479,12 +477,6 @@ class RLTrainer:
             resume_step=self.step if cfg.trainer.resume and self.step > 0 else None,
             enabled=self.dp.is_main,
         )
-
-    def _run_dir(self) -> Path:
-        from appo.trainer.rundir import agree_run_dir
-
-        path, self._new_dirs = agree_run_dir(self.cfg.trainer, self.dp)
-        return path
 
     def _make_scheduler(self):
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup

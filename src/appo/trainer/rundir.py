@@ -1,33 +1,49 @@
-"""The run directory policy: a new run never writes into an old run's directory.
+"""The run directory policy: a new run never writes into an old run's directory, and one
+process owns a run directory at a time.
 
 `appo train` (`trainer.default_local_dir`) and `appo sft` (`sft.output_dir`) write
-checkpoints and `metrics.jsonl` into one directory. `prepare_run_dir` decides, before the
+checkpoints and `metrics.jsonl` into one directory. `open_run_dir` decides, before the
 run touches anything:
 
 - no directory configured (the default): a new unique one, `runs/<kind>-YYYYmmdd-HHMMSS`
   (`-2`, `-3`, ... when two runs start in the same second);
+- the directory is locked for the process (`appo.outdir.lock_dir`): a second process on it
+  (two `trainer.resume=true`, or `trainer.overwrite=true` during a live run) is refused
+  with one line naming the holder's pid;
 - `trainer.resume=true`: the directory must be named; leftovers of an interrupted save
   are recovered (`appo.fsutil.recover_leftovers`) and the run continues there;
-- a new run into a non-empty directory: refused with one line naming the three ways on
-  (resume, a new directory, `trainer.overwrite=true`);
-- `trainer.overwrite=true`: the old run is renamed aside and deleted, but only if the
-  directory looks like an appo run, so a mistyped path (`.`, a home directory) is never
-  emptied.
+- a new run into a non-empty directory: refused with one line that says what is there
+  (checkpoints, or a run that saved none) and the ways on (resume, a new directory,
+  `trainer.overwrite=true`);
+- `trainer.overwrite=true`: only a directory that looks like an appo run (a mistyped `.`
+  or home directory is never emptied); the old run is renamed aside, and deleted only
+  once the new run has started (`RunDir.started`, after the start-up checks); a start
+  that fails puts it back (`RunDir.failed`).
+
+A new run that fails before it saved anything (while starting, or in its first step)
+removes what it created (`RunDir.failed`), so the same command can simply be run again;
+one that logged steps but saved no checkpoint stays, and the rerun's refusal says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appo.errors import AppoError
 from appo.fsutil import atomic_write_text, recover_leftovers, write_error
+from appo.outdir import LOCK_NAME, DirLock, lock_dir, outputs_in
 
 RUN_MARKER = "run.json"
-_RUN_ENTRIES = ("metrics.jsonl", "latest", RUN_MARKER)
+METRICS = "metrics.jsonl"
+_RUN_ENTRIES = (METRICS, "latest", RUN_MARKER)
+ASIDE_PREFIX = ".replaced_"
 
 
 def unique_run_dir(kind: str, parent: str | Path = "runs", now: float | None = None) -> Path:
@@ -41,6 +57,10 @@ def unique_run_dir(kind: str, parent: str | Path = "runs", now: float | None = N
     return path
 
 
+def _checkpoints(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("global_step_*") if p.is_dir())
+
+
 def looks_like_run(path: Path) -> bool:
     """A directory appo wrote: a run marker, metrics or checkpoints (also half-written)."""
     if any((path / name).exists() for name in _RUN_ENTRIES):
@@ -49,9 +69,92 @@ def looks_like_run(path: Path) -> bool:
                for p in path.iterdir())
 
 
-def prepare_run_dir(configured: str | None, kind: str, key: str, *, resume: bool = False,
-                    overwrite: bool = False, resumable: bool = True) -> Path:
-    """Apply the policy (module docstring) and return the directory, created. `kind` names
+def _metric_rows(path: Path) -> int:
+    try:
+        return sum(1 for line in (path / METRICS).read_text().splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError):
+        return 0
+
+
+def describe_run(path: Path) -> str:
+    """What a non-empty run directory holds, in words, for a refusal."""
+    ckpts = _checkpoints(path)
+    if ckpts:
+        return f"a previous run: {len(ckpts)} checkpoint(s), the last {ckpts[-1].name}"
+    if looks_like_run(path):
+        rows = _metric_rows(path)
+        logged = f"metrics of {rows} step(s)" if rows else "no metrics"
+        return f"a run that saved no checkpoint ({logged}), so it cannot be resumed"
+    names = [p.name for p in outputs_in(path)]
+    return (f"{len(names)} entries that are not an appo run, e.g. {names[0]}"
+            if names else "nothing but a lock file")
+
+
+@dataclass
+class RunDir:
+    """A run directory this process owns (rank 0; other ranks get `owner=False`)."""
+
+    path: Path
+    new_dirs: list[Path] = field(default_factory=list)  # created for this run, deepest first
+    lock: DirLock | None = None
+    aside: Path | None = None  # the run `overwrite` replaces, until this one has started
+    resume: bool = False
+
+    @property
+    def owner(self) -> bool:
+        return self.lock is not None
+
+    def started(self) -> None:
+        """The start-up checks passed: the replaced run is deleted now."""
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+            self.aside = None
+            print(f"appo: trainer.overwrite=true: removed the previous run in {self.path}")
+
+    def failed(self) -> None:
+        """The run failed before it saved a checkpoint: remove what it created when it holds
+        nothing of value (only the run marker, an empty metrics file, the lock), and put a
+        run it was replacing back."""
+        if not self.owner or self.resume:
+            return
+        if self.aside is not None:  # still starting: nothing of the new run is worth keeping
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(self.aside, self.path)  # the old lock file (ours) comes back with it
+            self.aside = None
+            print(f"appo: the new run did not start; the previous run in {self.path} is kept")
+            return
+        if _checkpoints(self.path):
+            return
+        discard_unused_run_dir(self.path, self.new_dirs)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around a run's start-up: `started()` after it, `failed()` if it raises."""
+        try:
+            yield
+        except BaseException:
+            self.failed()
+            raise
+        self.started()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the training loop: `failed()` if it raises (which keeps a run that has a
+        checkpoint or logged steps)."""
+        try:
+            yield
+        except BaseException:
+            self.failed()
+            raise
+
+
+def open_run_dir(configured: str | None, kind: str, key: str, *, resume: bool = False,
+                 overwrite: bool = False, resumable: bool = True) -> RunDir:
+    """Apply the policy (module docstring): the directory, created and locked. `kind` names
     the default directory (`appo`, `sft`); `key` is the config key users set it with."""
     if not configured:
         if resume:
@@ -61,55 +164,86 @@ def prepare_run_dir(configured: str | None, kind: str, key: str, *, resume: bool
         path = Path(configured)
     if path.exists() and not path.is_dir():
         raise AppoError(f"{key}={path} is a file, not a directory")
-    if resume and path.is_dir():
-        for note in recover_leftovers(path):
-            print(f"appo: {path}: {note}")
-    elif path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            ways = "continue it with trainer.resume=true, " if resumable else ""
-            raise AppoError(f"run directory {path} is not empty (a previous run?): {ways}"
-                            f"choose a new {key}, or replace it with trainer.overwrite=true")
-        _remove_old_run(path)
+    new_dirs = [d for d in (path, *path.parents) if not d.exists()]
+    run = RunDir(path, new_dirs, resume=resume)
+    had_lock_file = (path / LOCK_NAME).exists()
+    run.lock = lock_dir(path, "run directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        _decide(run, key, overwrite, resumable)
         if not (path / RUN_MARKER).exists():
             atomic_write_text(path / RUN_MARKER, json.dumps(
                 {"kind": kind, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     except OSError as e:
+        run.failed()
+        run.release()
         raise write_error(e, path, "create run directory") from None
-    return path
+    except BaseException:
+        if not had_lock_file and not run.aside:  # a refusal leaves the directory as it was
+            (path / LOCK_NAME).unlink(missing_ok=True)
+        run.release()
+        raise
+    return run
 
 
-def _remove_old_run(path: Path) -> None:
+def _decide(run: RunDir, key: str, overwrite: bool, resumable: bool) -> None:
+    path = run.path
+    if run.resume:
+        for note in recover_leftovers(path):
+            print(f"appo: {path}: {note}")
+        return
+    if not outputs_in(path):
+        return
+    if not overwrite:
+        ways = ("continue it with trainer.resume=true, "
+                if resumable and _checkpoints(path) else "")
+        raise AppoError(f"run directory {path} is not empty ({describe_run(path)}): {ways}"
+                        f"choose a new {key}, or replace it with trainer.overwrite=true")
     if not looks_like_run(path):
         raise AppoError(f"trainer.overwrite=true will not empty {path}: it holds no appo run "
                         "(no run.json, metrics.jsonl or checkpoints); choose another directory")
-    # Rename first: a kill during the (slow) delete must not leave a half-emptied run dir.
-    aside = path.with_name(f".replaced_{path.name}_{os.getpid()}")
+    # Renamed, not deleted: the new run may still fail to start, and a kill during the
+    # (slow) delete must not leave a half-emptied run directory.
+    aside = path.with_name(f"{ASIDE_PREFIX}{path.name}_{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
     try:
         os.replace(path, aside)
     except OSError as e:
         raise write_error(e, path, "replace run directory") from None
-    shutil.rmtree(aside, ignore_errors=True)
-    print(f"appo: trainer.overwrite=true: removed the previous run in {path}")
+    run.aside = aside
+    old = run.lock
+    try:
+        run.lock = lock_dir(path, "run directory")  # the new, empty directory
+    except BaseException:
+        run.lock = old
+        os.replace(aside, path)
+        run.aside = None
+        raise
+    if old is not None:
+        old.release()  # the aside copy's lock: nobody else can reach it by name
 
 
-def new_directories(configured: str | None) -> list[Path]:
-    """The directories that do not exist yet on the way to the run directory for
-    `configured`, deepest first; for the default (None) those above the unique directory,
-    which is itself always new."""
-    target = Path(configured) if configured else Path("runs") / "new-run"
-    missing = [d for d in (target, *target.parents) if not d.exists()]
-    return missing if configured else [d for d in missing if d != target]
+def prepare_run_dir(configured: str | None, kind: str, key: str, *, resume: bool = False,
+                    overwrite: bool = False, resumable: bool = True) -> Path:
+    """`open_run_dir` for callers with no start-up to wait for: an old run replaced by
+    `overwrite` is deleted at once. The lock is held until the process ends."""
+    run = open_run_dir(configured, kind, key, resume=resume, overwrite=overwrite,
+                       resumable=resumable)
+    run.started()
+    return run.path
 
 
 def discard_unused_run_dir(path: Path, new_dirs: list[Path]) -> None:
-    """After a new run failed while starting: remove its run marker and the directories
-    it created (`new_directories`, taken before), if nothing else was written there."""
+    """After a new run failed before saving anything: remove its run marker, an empty
+    metrics file, the lock file and the directories it created (`new_dirs`, deepest first),
+    if nothing else was written there."""
+    removable = {RUN_MARKER, LOCK_NAME}
+    if _metric_rows(path) == 0:
+        removable.add(METRICS)
     try:
-        if any(p.name != RUN_MARKER for p in path.iterdir()):
+        if any(p.name not in removable for p in path.iterdir()):
             return  # the run wrote something: it stays
-        (path / RUN_MARKER).unlink(missing_ok=True)
+        for name in removable:
+            (path / name).unlink(missing_ok=True)
     except OSError:
         return
     for d in new_dirs:  # deepest first; stop at the first that is not empty
@@ -119,18 +253,18 @@ def discard_unused_run_dir(path: Path, new_dirs: list[Path]) -> None:
             break
 
 
-def agree_run_dir(t, dp) -> tuple[Path, list[Path]]:
+def agree_run_dir(t, dp) -> RunDir:
     """The RL run's directory under `trainer.*` (`t`): rank 0 applies the policy
-    (`prepare_run_dir`), every rank of `dp` takes its answer (the collective is also the
-    barrier before any rank reads the directory). Returns it and the directories this run
-    creates (`new_directories`, the run directory first when it is a new unique one)."""
+    (`open_run_dir`), every rank of `dp` takes its answer (the collective is also the
+    barrier before any rank reads the directory); other ranks get a `RunDir` they do not
+    own."""
     decision: str | AppoError | None = None
-    new_dirs = new_directories(t.default_local_dir)
+    run: RunDir | None = None
     if dp.is_main:
         try:
-            decision = str(prepare_run_dir(t.default_local_dir, "appo",
-                                           "trainer.default_local_dir", resume=t.resume,
-                                           overwrite=t.overwrite))
+            run = open_run_dir(t.default_local_dir, "appo", "trainer.default_local_dir",
+                               resume=t.resume, overwrite=t.overwrite)
+            decision = str(run.path)
         except AppoError as e:
             decision = e
     decision = dp.gather_objects([decision] if dp.is_main else [])[0]
@@ -138,6 +272,4 @@ def agree_run_dir(t, dp) -> tuple[Path, list[Path]]:
         raise decision
     if dp.is_main:
         print(f"appo: run directory {decision}", flush=True)
-    if not t.default_local_dir:  # the new unique directory
-        new_dirs.insert(0, Path(str(decision)))
-    return Path(str(decision)), new_dirs
+    return run if run is not None else RunDir(Path(str(decision)), resume=t.resume)
