@@ -197,3 +197,89 @@ def test_a_refusal_says_what_the_directory_holds(files, capsys):
     assert "trainer.resume=true" not in line  # nothing to resume from
     assert "trainer.overwrite=true" in line
     assert not (run / LOCK_NAME).exists()  # the refusal left the directory as it was
+
+
+# ---------------------------------------------------------------- 4. eval output directories
+EVAL = ["eval", "--model", "tiny-test", "--data", "arith=toy.jsonl", "--limit", "2", "--k", "2",
+        "--no-tools", "--out", "ev", "eval.max_response_length=6"]
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another process that holds `path`'s lock until killed."""
+    code = ("import sys, time; from appo.outdir import lock_dir; lock_dir(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def traj_ids(out: Path) -> list[str]:
+    text = (out / "arith" / "trajectories.jsonl").read_text()
+    assert text.endswith("\n")
+    return [json.loads(line)["traj_id"] for line in text.splitlines()]
+
+
+@pytest.fixture
+def evaluated(files, capsys) -> Path:
+    assert main(EVAL) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    return files / "ev"
+
+
+def test_eval_into_an_out_made_with_another_model_or_sampling_is_refused(evaluated, capsys):
+    before = snapshot(evaluated)
+    for extra, key in ((["--model", "other-model"], "model.path: tiny-test -> other-model"),
+                       (["eval.temperature=0.9"], "eval.temperature: 0.6 -> 0.9"),
+                       (["eval.max_response_length=7"], "eval.max_response_length: 6 -> 7")):
+        assert main([*EVAL, *extra]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "--out ev was made with other settings" in line and key in line, line
+    assert snapshot(evaluated) == before
+    # The same settings resume (nothing to do), and more samples of the same kind are fine.
+    assert main([*EVAL, "--k", "3"]) == 0
+    assert "2 samples generated, 4 resumed" in capsys.readouterr().out
+
+
+def test_a_torn_trajectory_line_is_dropped_and_regenerated(evaluated, capsys):
+    trajs = evaluated / "arith" / "trajectories.jsonl"
+    full = traj_ids(evaluated)
+    assert len(full) == 4
+    data = trajs.read_bytes()
+    trajs.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1 + 20])  # a kill mid-line
+    assert main(EVAL) == 0
+    assert "1 samples generated, 3 resumed" in capsys.readouterr().out
+    assert sorted(traj_ids(evaluated)) == sorted(full)
+
+
+def test_a_torn_sample_line_does_not_leave_its_trajectory_twice(evaluated, capsys):
+    samples = evaluated / "arith" / "samples.jsonl"
+    data = samples.read_bytes()
+    samples.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1 + 20])
+    assert main(EVAL) == 0
+    assert "1 samples generated, 3 resumed" in capsys.readouterr().out
+    ids = traj_ids(evaluated)
+    assert len(ids) == len(set(ids)) == 4
+
+
+@pytest.mark.parametrize("name", ["..", "."])
+def test_a_benchmark_name_that_leaves_out_is_refused(files, capsys, name):
+    before = sorted(p.name for p in files.iterdir())
+    args = [*EVAL]
+    args[args.index("--data") + 1] = f"{name}=toy.jsonl"
+    assert main(args) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "benchmark name" in line and "plain directory name" in line, line
+    assert sorted(p.name for p in files.iterdir()) == before  # nothing written anywhere
+
+
+def test_an_eval_out_in_use_is_refused(files, capsys):
+    holder = hold_lock(files / "ev")
+    try:
+        assert main(EVAL) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert f"eval output directory (--out) ev is in use by pid {holder.pid}" in line, line
+        assert sorted(p.name for p in (files / "ev").iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class DirLock:
     path: Path  # the directory (where it was when locked; a rename takes the lock along)
     key: tuple[int, int]
     released: bool = False
+    created: list[Path] = field(default_factory=list)  # directories made for it, deepest first
 
     def release(self) -> None:
         if self.released:
@@ -52,7 +53,20 @@ class DirLock:
         entry[1] -= 1
         if entry[1] <= 0:
             del _HELD[self.key]
+            if self.created:  # nothing was written: no empty directory stays behind
+                _remove_if_only_lock(self.path, self.created)
             os.close(entry[0])  # closing the descriptor releases the flock
+
+
+def _remove_if_only_lock(path: Path, created: list[Path]) -> None:
+    try:
+        if [p.name for p in path.iterdir()] != [LOCK_NAME]:
+            return
+        (path / LOCK_NAME).unlink()
+        for d in created:
+            d.rmdir()
+    except OSError:
+        return
 
 
 def holder_pid(path: str | Path) -> int | None:
@@ -69,6 +83,7 @@ def lock_dir(path: str | Path, what: str = "output directory") -> DirLock:
     process holds it: `<what> <path> is in use by pid N`."""
     path = Path(path)
     lock_file = path / LOCK_NAME
+    created = [d for d in (path, *path.parents) if not d.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -79,7 +94,7 @@ def lock_dir(path: str | Path, what: str = "output directory") -> DirLock:
     if key in _HELD:  # ours already (see the module docstring)
         os.close(fd)
         _HELD[key][1] += 1
-        return DirLock(path, key)
+        return DirLock(path, key)  # the first holder removes what it created
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -97,7 +112,18 @@ def lock_dir(path: str | Path, what: str = "output directory") -> DirLock:
     except OSError:
         pass  # the lock holds without the pid; a refusal then says "another process"
     _HELD[key] = [fd, 1]
-    return DirLock(path, key)
+    return DirLock(path, key, created=created)
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write a user's output file atomically (a temporary sibling, then `os.replace`): a
+    reader, or a full disk, never sees it half written; a failed write is one line naming
+    the path and the cause (no space left, read-only file system, permission denied)."""
+    path = Path(path)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise write_error(e, path) from None
 
 
 def is_appo_file(name: str) -> bool:
@@ -126,13 +152,13 @@ def _show(value: Any) -> str:
 
 
 def check_identity(path: str | Path, name: str, identity: dict[str, Any], *,
-                   what: str, how: str) -> None:
-    """Refuse (one line) when `path/name` records another identity than `identity`;
-    record `identity` there when the file is missing. `what` names the directory in the
-    message (e.g. `--out runs/eval`), `how` says how to proceed."""
+                   what: str, how: str, has_outputs: bool = True) -> None:
+    """Refuse (one line) when `path/name` records another identity than `identity` and the
+    directory `has_outputs`; otherwise record `identity` there. `what` names the directory
+    in the message (e.g. `--out runs/eval`), `how` says how to proceed."""
     file = Path(path) / name
     identity = json.loads(json.dumps(identity))  # the JSON form: tuples as lists etc.
-    if file.is_file():
+    if file.is_file() and has_outputs:  # with no outputs yet, the record is simply renewed
         try:
             old = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -141,11 +167,11 @@ def check_identity(path: str | Path, name: str, identity: dict[str, Any], *,
         if not isinstance(old, dict):
             raise AppoError(f"{file}: not a record of what produced {what}; {how}")
         diff = differences(old, identity)
-        if diff:
-            more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
-            raise AppoError(f"{what} was made with other settings ({'; '.join(diff[:2])}{more}):"
-                            f" its outputs would be mixed with these; {how}")
-        return
+        if not diff:
+            return
+        more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
+        raise AppoError(f"{what} was made with other settings ({'; '.join(diff[:2])}{more}): "
+                        f"its outputs would be mixed with these; {how}")
     try:
         atomic_write_text(file, json.dumps(identity, indent=1, sort_keys=True) + "\n")
     except OSError as e:

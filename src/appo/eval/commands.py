@@ -74,8 +74,20 @@ def _eval(args: argparse.Namespace) -> int:
     from appo.paths import check_output_dir
 
     check_output_dir(cfg.eval.out_dir, "eval.out_dir, --out")
+    from appo.outdir import lock_dir
 
-    from appo.eval.runner import Evaluator, Grader, eval_settings, load_benchmarks
+    # One evaluation at a time appends to an output directory (appo.outdir).
+    out_lock = lock_dir(cfg.eval.out_dir, "eval output directory (--out)")
+
+    from appo.eval.runner import (
+        IDENTITY_FILE,
+        Evaluator,
+        Grader,
+        eval_identity,
+        eval_settings,
+        load_benchmarks,
+    )
+    from appo.outdir import check_identity
     from appo.rewards.router import RewardRouter, router_from_config
 
     tools = None
@@ -92,6 +104,13 @@ def _eval(args: argparse.Namespace) -> int:
                                      call_format=cfg.tools.format)
         k = int(cfg.eval.k)
         settings = eval_settings(cfg, k, tags)
+        # Before the model loads: an --out made by another model or sampling is refused,
+        # so its samples are never resumed (and summarised) as this run's.
+        check_identity(cfg.eval.out_dir, IDENTITY_FILE,
+                       eval_identity(cfg, settings, tags, args.served_model),
+                       what=f"--out {cfg.eval.out_dir}",
+                       how="use a new --out (or move this one away to start afresh)",
+                       has_outputs=any(Path(cfg.eval.out_dir).glob("*/samples.jsonl")))
         info = {"model": cfg.model.path, "benchmarks": {b.name: b.spec for b in benchmarks}}
         if cfg.eval.base_url:
             from appo.rollout.openai_engine import OpenAICompletionsEngine
@@ -147,6 +166,7 @@ def _eval(args: argparse.Namespace) -> int:
             tools.close()
         if judge is not None:
             judge.close()
+        out_lock.release()
     print(result.table())
     print(f"\nwall time {result.wall_seconds:.1f} s: {result.generated} samples generated, "
           f"{result.resumed} resumed, {result.failed} failed"
@@ -158,6 +178,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _view(args: argparse.Namespace) -> int:
     from appo.eval.viewer import check_view_output, load_trajectories, render_html
+    from appo.outdir import write_output
 
     check_view_output(args.output, args.files)
     trajs = load_trajectories(args.files)
@@ -169,7 +190,7 @@ def _view(args: argparse.Namespace) -> int:
     text = render_html(trajs, tokenizer, title=title, max_prompts=args.max_prompts)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    write_output(out, text)  # atomic; a failed write names the file
     shown = text.count('class="traj"')
     print(f"wrote {out} ({shown} trajectories, {len(text) / 1e6:.1f} MB)")
     return 0

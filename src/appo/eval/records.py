@@ -122,3 +122,44 @@ def drop_torn_tail(path: Path) -> None:
         return
     with path.open("r+b") as f:
         f.truncate(data.rfind(b"\n") + 1)
+
+
+def _traj_lines(path: Path) -> list[tuple[str | None, str]]:
+    """(trajectory id, line) of every complete line; a torn last line is left out."""
+    if not path.is_file():
+        return []
+    text = read_text(path, hint="move the file away to start over")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    elif lines:
+        lines.pop()  # no newline at the end: a torn last line
+    out: list[tuple[str | None, str]] = []
+    for line in lines:
+        try:
+            tid = json.loads(line).get("traj_id")
+        except (json.JSONDecodeError, AttributeError):
+            tid = None
+        out.append((tid if isinstance(tid, str) else None, line))
+    return out
+
+
+def trajectory_ids(path: str | Path) -> set[str]:
+    """The ids of the complete trajectory lines of an eval's `trajectories.jsonl`."""
+    return {tid for tid, _ in _traj_lines(Path(path)) if tid is not None}
+
+
+def keep_trajectories(path: str | Path, keep: set[str]) -> None:
+    """Rewrite `trajectories.jsonl` (atomically) with only the lines whose id is in `keep`,
+    the first of each: samples about to be generated again must not appear twice."""
+    from appo.outdir import write_output
+
+    path = Path(path)
+    seen: set[str] = set()
+    out = []
+    for tid, line in _traj_lines(path):
+        if tid is None or tid not in keep or tid in seen:
+            continue
+        seen.add(tid)
+        out.append(line + "\n")
+    write_output(path, "".join(out))

@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
-from appo.eval.records import SampleRecord, append_lines, latest, read_samples
+from appo.eval.records import (
+    SampleRecord,
+    append_lines,
+    keep_trajectories,
+    latest,
+    read_samples,
+    trajectory_ids,
+)
 from appo.eval.summary import (
     BenchmarkSummary,
     overall,
@@ -40,6 +47,7 @@ from appo.eval.summary import (
     summarize_benchmark,
 )
 from appo.eval.tokens import token_texts
+from appo.outdir import write_output
 from appo.rollout.loop import RolloutPrompt
 from appo.rollout.records import RolloutStats, Trajectory
 from appo.rollout.settings import RolloutSettings
@@ -47,6 +55,7 @@ from appo.rollout.strategies import sample
 
 SAMPLES_FILE = "samples.jsonl"
 TRAJECTORIES_FILE = "trajectories.jsonl"
+IDENTITY_FILE = "eval.json"  # what produced the output directory (`eval_identity`)
 
 
 # ---------------------------------------------------------------- benchmarks
@@ -71,6 +80,37 @@ def parse_data_arg(item: str) -> tuple[str, str]:
     return default_data_source(parsed.target), item
 
 
+def check_benchmark_name(name: str) -> None:
+    """A benchmark's outputs go to `<out>/<name>/`: a name that is not one plain directory
+    name (`..`, `a/b`, empty) would write outside `--out` or into another benchmark's."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise AppoError(f"benchmark name {name!r} is not a plain directory name (its outputs go "
+                        "to <out>/<name>/); name it with NAME=SPEC, e.g. gsm8k=data/test.jsonl")
+
+
+def eval_identity(cfg: Any, settings: RolloutSettings, tags: Sequence[str],
+                  served_model: str | None = None) -> dict[str, Any]:
+    """What makes two evaluations' samples the same kind of sample: the model, sampling,
+    length cap, tools and their limits, prompt rendering and grading. Stored in the output
+    directory (`IDENTITY_FILE`); a rerun into it must match, so resumed samples are never
+    mixed with another model's or another sampling's. Not in it: k and --limit (more or
+    fewer samples of the same kind), the seed, the batch size, the server's address."""
+    s = settings.sampling
+    return {
+        "model.path": str(cfg.model.path), "--served-model": served_model,
+        "eval.temperature": s.temperature, "eval.top_p": s.top_p, "eval.top_k": s.top_k,
+        "eval.repetition_penalty": s.repetition_penalty,
+        "eval.max_response_length": settings.max_response_length,
+        "tools": list(tags), "eval.tool_call_limits": dict(settings.tool_call_limits or {}),
+        "rollout.on_limit": settings.on_limit,
+        "tools.format": settings.call_format, "data.template": cfg.data.template,
+        "data.prompt_key": cfg.data.prompt_key,
+        "data.appo_stage_prompt": bool(cfg.data.appo_stage_prompt),
+        "custom_reward_function.path": cfg.custom_reward_function.path or None,
+        "eval.judge_model": (cfg.eval.judge_model if cfg.eval.judge_base_url else None),
+    }
+
+
 def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
                     prompt_key: str = "prompt", limit: int | None = None,
                     stage_prompt: bool = False, call_format: str = "tags") -> list[Benchmark]:
@@ -79,6 +119,7 @@ def load_benchmarks(items: Sequence[str], template: str, tools: Sequence[str],
     out: list[Benchmark] = []
     for item in items:
         name, spec = parse_data_arg(item)
+        check_benchmark_name(name)
         if any(b.name == name for b in out):
             raise AppoError(f"benchmark name {name!r} given twice; name them with NAME=PATH")
         examples = load_rl_data([spec], template=template, tools=list(tools),
@@ -179,6 +220,11 @@ def _finite(values: list[float]) -> list[float]:
 
 
 # ---------------------------------------------------------------- the evaluator
+def _traj_id(bench: str, index: int, sample: int) -> str:
+    """A trajectory's id in `trajectories.jsonl`: its benchmark, question and sample."""
+    return f"{bench}:{index}/s{sample}"
+
+
 @dataclass
 class _Work:
     bench: Benchmark
@@ -249,10 +295,14 @@ class Evaluator:
         for bench in benchmarks:
             done = {key: rec for key, rec in latest(read_samples(out / bench.name / SAMPLES_FILE)
                                                     ).items() if rec.finished}
+            # A finished sample counts only with its trajectory (written first, so a kill
+            # between the two writes, or a torn trajectory line, redoes the sample).
+            trajs = out / bench.name / TRAJECTORIES_FILE
+            have = trajectory_ids(trajs)
             for i, ex in enumerate(bench.examples):
                 for s in range(k):
                     rec = done.get((str(i), s))
-                    if rec is None:
+                    if rec is None or (trajs.exists() and _traj_id(bench.name, i, s) not in have):
                         work.append(_Work(bench, i, s))
                         continue
                     if rec.question != ex.question:
@@ -262,6 +312,10 @@ class Evaluator:
                             "the output directory belongs to another run; use a new --out"
                         )
                     resumed += 1
+            redo = have & {_traj_id(bench.name, w.index, w.sample)
+                           for w in work if w.bench is bench}
+            if redo:  # lines of samples about to be redone: they must not stay twice
+                keep_trajectories(trajs, have - redo)
         return work, resumed
 
     def _record(self, w: _Work, traj: Trajectory) -> tuple[SampleRecord, str | None]:
@@ -294,7 +348,7 @@ class Evaluator:
 
     def _traj_line(self, w: _Work, traj: Trajectory, rec: SampleRecord) -> str:
         # Loop-local ids restart every chunk; name the trajectory by its sample instead.
-        traj.traj_id = f"{traj.uid}/s{w.sample}"
+        traj.traj_id = _traj_id(w.bench.name, w.index, w.sample)
         traj.reward = rec.score
         traj.extra.update({"sample": w.sample, "correct": rec.correct, "answer": rec.answer,
                            "token_text": token_texts(self.tokenizer, traj.response_ids)})
@@ -339,8 +393,9 @@ class Evaluator:
                 generated += rec.error is None
                 failed += rec.error is not None
             for name, (samples, trajs) in by_bench.items():
-                append_lines(out / name / SAMPLES_FILE, samples)
+                # Trajectories first: a sample line is the record that its work is done.
                 append_lines(out / name / TRAJECTORIES_FILE, trajs)
+                append_lines(out / name / SAMPLES_FILE, samples)
             elapsed = time.perf_counter() - t0
             correct = sum(rec.correct for _, rec, _ in lines)
             self.log(f"{start + len(chunk)}/{len(work)} samples  chunk acc "
@@ -392,16 +447,14 @@ class Evaluator:
         data = {"run": run, "benchmarks": [r.to_dict() for r in result.summaries],
                 "overall": result.overall.to_dict()}
         path = out / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_output(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         md = [f"# Evaluation: {self.run_info.get('model', '')}", ""]
         md.append(render_markdown([*result.summaries, result.overall], result.k))
         md += ["", f"k = {result.k}; sampling {run['sampling']}; max response "
                f"{run['max_response_length']} tokens; tool limits {self.limits}.",
                f"Wall time of this run: {run['wall_seconds']} s for "
                f"{result.generated} samples ({result.resumed} resumed, {result.failed} failed)."]
-        (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+        write_output(out / "summary.md", "\n".join(md) + "\n")
         return path
 
 
