@@ -283,3 +283,107 @@ def test_an_eval_out_in_use_is_refused(files, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---------------------------------------------------------------- 5. compare
+COMPARE_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    text = solution_str or ""
+    share = sum(c.islower() and c.isascii() for c in text) / max(len(text), 1)
+    return {"score": share, "acc": float(share > 0.1)}
+'''
+
+
+def compare_spec(root: Path, steps: int = 1, variant: str = "rollout.strategy=grpo",
+                 seeds: tuple[int, ...] = (1,)) -> Path:
+    import yaml
+
+    data = root / "toy.jsonl"
+    (root / "creward.py").write_text(COMPARE_REWARD)
+    spec = {
+        "output_dir": str(root / "cmp"),
+        "base": {"overrides": [
+            "model.path=tiny-test", f"data.train_files=[{data}]", "data.val_files=[]",
+            "data.train_batch_size=2", "data.max_response_length=6",
+            f"custom_reward_function.path={root / 'creward.py'}", "rollout.n=2",
+            "actor.ppo_mini_batch_size=2", f"trainer.total_steps={steps}",
+            "trainer.logger=[jsonl]", "tools.enabled=[]"]},
+        "variants": {"grpo": [variant]},
+        "seeds": list(seeds),
+        "eval": {"sets": {"toy": f"{data}?n=2"}, "k": 1, "temperature": 1.0},
+    }
+    path = root / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def test_compare_refuses_a_finished_pair_whose_definition_changed(files, capsys):
+    from appo.compare.runner import PAIR_FILE, pair_definition, pair_state, run_pair
+    from appo.compare.spec import load_spec
+
+    spec = load_spec(compare_spec(files))
+    run_pair(spec, "grpo", 1, progress=False)
+    assert pair_state(spec, "grpo", 1) == "done"
+    stored = json.loads((spec.run_dir("grpo", 1) / PAIR_FILE).read_text())
+    assert stored == pair_definition(spec, "grpo", 1)
+    assert stored["rollout.strategy"] == "grpo" and stored["eval.temperature"] == 1.0
+    # The same spec: nothing to run, the report is written.
+    assert main(["compare", str(files / "spec.yaml")]) == 0
+    assert "every pair is done" in capsys.readouterr().out
+    # The variant now means something else: its old numbers are not reported as the new one's.
+    compare_spec(files, variant="rollout.strategy=arpo")
+    for extra in ([], ["--report"]):
+        assert main(["compare", str(files / "spec.yaml"), *extra]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "1 pair(s) ran under another definition" in line, line
+        assert "grpo/seed1 (rollout.strategy: grpo -> arpo)" in line, line
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended (nobody may reap it in a container)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_compare_workers_die_with_their_parent(files):
+    import signal
+    import time
+
+    spec = compare_spec(files, steps=500, seeds=(1, 2))  # far longer than this test
+    parent = subprocess.Popen([sys.executable, "-m", "appo.cli", "compare", str(spec),
+                               "--jobs", "2"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            workers = _children(parent.pid)
+        assert len(workers) == 2, f"workers not started (parent exit {parent.poll()})"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "workers outlived their killed parent"
+    finally:
+        for pid in [*workers, *_children(parent.pid), parent.pid]:  # ours only, by id
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -19,6 +19,26 @@ def _write_report(spec) -> Path:
     return path
 
 
+def _die_with(parent: int):
+    """For a worker, run in the child before it starts: on Linux the kernel sends it
+    SIGTERM when `parent` dies (`PR_SET_PDEATHSIG`), however the parent ends (SIGKILL
+    included), so a killed `appo compare --jobs` never leaves workers running the study on
+    in the background. Elsewhere, nothing (the `finally` in `_run_jobs` still ends them on
+    an interrupt)."""
+    def setup() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call took effect
+            os._exit(1)
+
+    return setup
+
+
 def _run_jobs(args: argparse.Namespace, spec) -> int:
     """`--jobs N`: N `appo compare` processes on the spec, each running the pairs nobody
     holds (runner.py: pair locks), torch threads split between them; then the report."""
@@ -28,8 +48,16 @@ def _run_jobs(args: argparse.Namespace, spec) -> int:
     # Small models decode faster as N one-thread processes than as one N-thread process.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.jobs)))
     cmd = [sys.executable, "-m", "appo.cli", "compare", str(args.spec), "--worker"]
-    procs = [subprocess.Popen(cmd, env=env) for _ in range(args.jobs)]
-    codes = [p.wait() for p in procs]
+    procs = [subprocess.Popen(cmd, env=env, preexec_fn=_die_with(os.getpid()))
+             for _ in range(args.jobs)]
+    try:
+        codes = [p.wait() for p in procs]
+    except BaseException:  # interrupted (Ctrl-C, an exception): the workers end with us
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
+        raise
     path = _write_report(spec)
     print(f"appo compare: report {path}")
     if any(codes):
@@ -41,13 +69,20 @@ def _run_jobs(args: argparse.Namespace, spec) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from appo.compare.runner import check_eval_sets, pair_state, run_comparison
+    from appo.compare.runner import (
+        check_definitions,
+        check_eval_sets,
+        pair_state,
+        run_comparison,
+    )
     from appo.compare.spec import load_spec
     from appo.errors import AppoError
 
     spec = load_spec(args.spec)
     if args.jobs < 1:
         raise AppoError(f"--jobs {args.jobs}: give a number of processes >= 1")
+    # Pairs that ran under another definition: never resumed or reported as this one's.
+    check_definitions(spec)
     if not args.report and not args.worker:
         sizes = check_eval_sets(spec)
         print("appo compare: eval sets " + ", ".join(f"{k} ({n} questions)"

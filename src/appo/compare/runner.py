@@ -38,7 +38,12 @@ from appo.compare.spec import CompareSpec
 from appo.fsutil import atomic_write_text
 
 RESULT_FILE = "result.json"
+PAIR_FILE = "pair.json"  # the pair's definition when it ran (`pair_definition`)
 EVAL_SEED = 20_000_003
+# Set per run by compare itself: not part of what a pair is.
+_NOT_DEFINITION = ("trainer.resume", "trainer.overwrite", "trainer.default_local_dir")
+# A pair that has not finished may go on to more steps (resume extends a run).
+_EXTENDABLE = ("trainer.total_steps", "trainer.total_epochs")
 
 
 @dataclass
@@ -86,6 +91,75 @@ def pair_state(spec: CompareSpec, variant: str, seed: int) -> str:
     return "missing"
 
 
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def pair_definition(spec: CompareSpec, variant: str, seed: int) -> dict[str, Any]:
+    """What one pair's numbers mean: its resolved run config (dotted keys) and the
+    evaluation settings (not the eval sets: the report checks each set's files itself)."""
+    from appo.config import to_container
+
+    config = _flat(to_container(spec.config(variant, seed)))
+    out = {k: v for k, v in config.items() if k not in _NOT_DEFINITION}
+    e = spec.eval
+    out.update({"eval.k": e.k, "eval.temperature": e.temperature, "eval.top_p": e.top_p,
+                "eval.top_k": e.top_k, "eval.max_response_length": e.max_response_length})
+    return json.loads(json.dumps(out))  # as stored
+
+
+def record_definition(spec: CompareSpec, variant: str, seed: int) -> None:
+    atomic_write_text(spec.run_dir(variant, seed) / PAIR_FILE,
+                      json.dumps(pair_definition(spec, variant, seed), indent=1,
+                                 sort_keys=True) + "\n")
+
+
+def redefined_pairs(spec: CompareSpec) -> list[str]:
+    """`variant/seedN (key: old -> new)` for every done or started pair whose stored
+    definition differs from the spec's now (a finished pair in any key; a started one in
+    any key but the step count, which a resume may extend)."""
+    from appo.outdir import differences
+
+    out = []
+    for variant, seed in spec.pairs():
+        file = spec.run_dir(variant, seed) / PAIR_FILE
+        state = pair_state(spec, variant, seed)
+        if state == "missing" or not file.is_file():
+            continue
+        try:
+            old = json.loads(file.read_text())
+        except (OSError, ValueError):
+            old = {}
+        new = pair_definition(spec, variant, seed)
+        if state == "partial":
+            for key in _EXTENDABLE:
+                old.pop(key, None)
+                new.pop(key, None)
+        diff = differences(old, new)
+        if diff:
+            out.append(f"{variant}/seed{seed} ({'; '.join(diff[:2])}"
+                       f"{f' and {len(diff) - 2} more' if len(diff) > 2 else ''})")
+    return out
+
+
+def check_definitions(spec: CompareSpec) -> None:
+    """One line when pairs ran under another definition than the spec's: their numbers
+    must not be reported (or resumed) as the new definition's."""
+    from appo.errors import AppoError
+
+    changed = redefined_pairs(spec)
+    if changed:
+        raise AppoError(
+            f"{len(changed)} pair(s) ran under another definition than {spec.path} now gives: "
+            f"{', '.join(changed)}; restore the spec, or remove those pairs' directories "
+            f"under {spec.output_dir / 'runs'} to run them again")
+
+
 def load_result(spec: CompareSpec, variant: str, seed: int) -> PairResult | None:
     path = spec.run_dir(variant, seed) / RESULT_FILE
     if not path.is_file():
@@ -104,7 +178,9 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
     cfg = spec.config(variant, seed, resume=resume)
     if not resume:
         cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
-    trainer = RLTrainer(cfg, progress=progress)
+    trainer = RLTrainer(cfg, progress=progress)  # owns (locks) the pair's run directory
+    if trainer.dp.is_main:
+        record_definition(spec, variant, seed)
     try:
         if spec.variant(variant).train:
             try:
@@ -113,12 +189,13 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
                 raise AppoError(f"{variant} seed {seed}: "
                                 f"{e.at_step(trainer.step + 1)}") from None
         result = evaluate_pair(spec, trainer, variant, seed)
+        if trainer.dp.is_main:
+            atomic_write_text(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
+            if spec.keep_checkpoints == "last":
+                prune_checkpoints(spec.run_dir(variant, seed))
     finally:
         trainer.tools.close()
-    if trainer.dp.is_main:
-        atomic_write_text(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
-        if spec.keep_checkpoints == "last":
-            prune_checkpoints(spec.run_dir(variant, seed))
+        trainer.run_dir.release()
     return result
 
 
