@@ -387,3 +387,46 @@ def test_compare_workers_die_with_their_parent(files):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+# ---------------------------------------------------------------- 6. atomic writes, named errors
+FAILURES = [(28, "no space left on device"), (30, "read-only file system"),
+            (13, "permission denied")]  # ENOSPC, EROFS, EACCES
+
+
+@pytest.mark.parametrize("code,words", FAILURES)
+def test_a_failed_page_write_names_the_file_and_leaves_the_old_page(evaluated, capsys,
+                                                                    monkeypatch, code, words):
+    import appo.fsutil
+
+    dump = str(evaluated / "arith" / "trajectories.jsonl")
+    Path("page.html").write_text("the old page")
+
+    def fail(src, dst):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(appo.fsutil.os, "replace", fail)
+    assert main(["view", dump, "-o", "page.html", "--model", "tiny-test"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line == f"error: could not write page.html: {words}", line
+    assert Path("page.html").read_text() == "the old page"
+    assert sorted(p.name for p in Path(".").glob("*page.html*")) == ["page.html"]  # no temp
+
+
+@pytest.mark.parametrize("code,words", FAILURES)
+def test_a_failed_sample_write_names_the_file_and_leaves_no_half_chunk(evaluated, capsys,
+                                                                      monkeypatch, code, words):
+    import appo.eval.records
+
+    files = {p: p.read_bytes() for p in (evaluated / "arith").iterdir()}
+
+    def fail(fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(appo.eval.records.os, "fsync", fail)
+    assert main([*EVAL, "--k", "3"]) == 2  # two more samples to write
+    err = capsys.readouterr().err  # eval's progress lines, then the error
+    assert "Traceback" not in err and err.count("error: ") == 1, err
+    line = err.strip().splitlines()[-1]
+    assert line == f"error: could not write ev/arith/trajectories.jsonl: {words}", line
+    assert {p: p.read_bytes() for p in (evaluated / "arith").iterdir()} == files

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
-from appo.fsutil import atomic_write_text, write_error
+from appo.fsutil import atomic_write_bytes, atomic_write_text, write_error
 
 LOCK_NAME = ".appo.lock"
 
@@ -115,13 +115,14 @@ def lock_dir(path: str | Path, what: str = "output directory") -> DirLock:
     return DirLock(path, key, created=created)
 
 
-def write_output(path: str | Path, text: str) -> None:
+def write_output(path: str | Path, data: str | bytes) -> None:
     """Write a user's output file atomically (a temporary sibling, then `os.replace`): a
-    reader, or a full disk, never sees it half written; a failed write is one line naming
-    the path and the cause (no space left, read-only file system, permission denied)."""
+    reader, or a full disk, never sees it half written, and a failed write leaves the old
+    file; the failure is one line naming the path and the cause (no space left on device,
+    read-only file system, permission denied)."""
     path = Path(path)
     try:
-        atomic_write_text(path, text)
+        atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
     except OSError as e:
         raise write_error(e, path) from None
 

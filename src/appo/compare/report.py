@@ -9,6 +9,7 @@ bootstrap interval over questions and seeds (`appo.compare.stats`).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import warnings
@@ -22,7 +23,7 @@ import numpy as np
 from appo.compare.runner import PairResult, load_result, pair_state
 from appo.compare.spec import BUDGET_KEYS, START, CompareSpec
 from appo.compare.stats import Interval, paired_bootstrap, t_interval, t_quantile_975
-from appo.fsutil import atomic_write_text
+from appo.outdir import write_output
 
 CURVE_KEYS = ("reward/accuracy", "rollout/tool_calls_per_traj")
 METRICS = {"greedy": "greedy pass@1", "pass@k": "sampled pass@k"}
@@ -195,7 +196,7 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
               "![against sampled tokens](curves_tokens.png)", ""]
     plot_curves(curves, out)
     path = out / "report.md"
-    atomic_write_text(path, "\n".join(lines))
+    write_output(path, "\n".join(lines))
     return path
 
 
@@ -301,5 +302,7 @@ def plot_curves(curves: dict[str, dict[int, RunCurve]], out: Path) -> None:
             if ax.lines:
                 ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=100)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
         plt.close(fig)
+        write_output(out / fname, buf.getvalue())  # atomic, like every report file

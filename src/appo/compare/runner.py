@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.compare.spec import CompareSpec
-from appo.fsutil import atomic_write_text
+from appo.outdir import write_output
 
 RESULT_FILE = "result.json"
 PAIR_FILE = "pair.json"  # the pair's definition when it ran (`pair_definition`)
@@ -114,7 +114,7 @@ def pair_definition(spec: CompareSpec, variant: str, seed: int) -> dict[str, Any
 
 
 def record_definition(spec: CompareSpec, variant: str, seed: int) -> None:
-    atomic_write_text(spec.run_dir(variant, seed) / PAIR_FILE,
+    write_output(spec.run_dir(variant, seed) / PAIR_FILE,
                       json.dumps(pair_definition(spec, variant, seed), indent=1,
                                  sort_keys=True) + "\n")
 
@@ -190,7 +190,7 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
                                 f"{e.at_step(trainer.step + 1)}") from None
         result = evaluate_pair(spec, trainer, variant, seed)
         if trainer.dp.is_main:
-            atomic_write_text(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
+            write_output(spec.run_dir(variant, seed) / RESULT_FILE, result.to_json())
             if spec.keep_checkpoints == "last":
                 prune_checkpoints(spec.run_dir(variant, seed))
     finally:

@@ -105,12 +105,22 @@ def append_lines(path: Path, lines: list[str]) -> None:
     """Append lines and fsync, so a finished chunk survives a crash of the next one."""
     if not lines:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    drop_torn_tail(path)
-    with path.open("a", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
+    from appo.fsutil import write_error
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        drop_torn_tail(path)
+        size = path.stat().st_size if path.exists() else 0
+        with path.open("a", encoding="utf-8") as f:
+            try:
+                f.write("".join(line + "\n" for line in lines))
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:
+                f.truncate(size)  # no half-written chunk stays (a full disk, say)
+                raise
+    except OSError as e:
+        raise write_error(e, path) from None
 
 
 def drop_torn_tail(path: Path) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 from appo.errors import AppoError
 from appo.eval.tokens import token_texts
 from appo.jsonl import iter_lines
+from appo.outdir import write_output
 from appo.rollout.records import Trajectory
 
 SHADE_RGB = (235, 110, 20)
@@ -384,5 +385,5 @@ def write_report(paths: Sequence[str | Path], out: str | Path, tokenizer=None,
     text = render_html(trajs, tokenizer, title=title, max_prompts=max_prompts)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
+    write_output(out, text)  # atomic; a failed write is one line naming the file
     return out, text.count('class="traj"')
