@@ -106,7 +106,7 @@ def test_the_lock_goes_with_its_process(tmp_path):
     """A killed holder never leaves a stale lock (the kernel drops it)."""
     from appo.outdir import lock_dir
 
-    code = ("import sys, time; from appo.outdir import lock_dir; lock_dir(sys.argv[1]); "
+    code = ("import sys, time; from appo.outdir import lock_dir; held = lock_dir(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")],
                               stdout=subprocess.PIPE, text=True)
@@ -206,7 +206,7 @@ EVAL = ["eval", "--model", "tiny-test", "--data", "arith=toy.jsonl", "--limit", 
 
 def hold_lock(path: Path) -> subprocess.Popen:
     """Another process that holds `path`'s lock until killed."""
-    code = ("import sys, time; from appo.outdir import lock_dir; lock_dir(sys.argv[1]); "
+    code = ("import sys, time; from appo.outdir import lock_dir; held = lock_dir(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
                               text=True)

@@ -36,7 +36,8 @@ _HELD: dict[tuple[int, int], list[int]] = {}
 
 @dataclass
 class DirLock:
-    """A held lock; `release()` drops this holder (the lock goes with the last one)."""
+    """A held lock; `release()` drops this holder (the lock goes with the last one, and with
+    the last `DirLock` object that refers to it)."""
 
     path: Path  # the directory (where it was when locked; a rename takes the lock along)
     key: tuple[int, int]
@@ -56,6 +57,14 @@ class DirLock:
             if self.created:  # nothing was written: no empty directory stays behind
                 _remove_if_only_lock(self.path, self.created)
             os.close(entry[0])  # closing the descriptor releases the flock
+
+
+    def __del__(self) -> None:
+        # A holder that is gone (a trainer dropped without `fit()`) lets go of the directory.
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the kernel releases it
+            pass
 
 
 def _remove_if_only_lock(path: Path, created: list[Path]) -> None:

@@ -44,6 +44,7 @@ RUN_MARKER = "run.json"
 METRICS = "metrics.jsonl"
 _RUN_ENTRIES = (METRICS, "latest", RUN_MARKER)
 ASIDE_PREFIX = ".replaced_"
+_KEPT: list[RunDir] = []  # run directories held for the life of the process (prepare_run_dir)
 
 
 def unique_run_dir(kind: str, parent: str | Path = "runs", now: float | None = None) -> Path:
@@ -229,6 +230,7 @@ def prepare_run_dir(configured: str | None, kind: str, key: str, *, resume: bool
     run = open_run_dir(configured, kind, key, resume=resume, overwrite=overwrite,
                        resumable=resumable)
     run.started()
+    _KEPT.append(run)  # the lock lives as long as its `DirLock`: here, the process
     return run.path
 
 
