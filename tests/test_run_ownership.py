@@ -318,15 +318,12 @@ def compare_spec(root: Path, steps: int = 1, variant: str = "rollout.strategy=gr
 
 
 def test_compare_refuses_a_finished_pair_whose_definition_changed(files, capsys):
-    from appo.compare.runner import PAIR_FILE, pair_definition, pair_state, run_pair
+    from appo.compare.runner import pair_state, run_pair
     from appo.compare.spec import load_spec
 
     spec = load_spec(compare_spec(files))
     run_pair(spec, "grpo", 1, progress=False)
     assert pair_state(spec, "grpo", 1) == "done"
-    stored = json.loads((spec.run_dir("grpo", 1) / PAIR_FILE).read_text())
-    assert stored == pair_definition(spec, "grpo", 1)
-    assert stored["rollout.strategy"] == "grpo" and stored["eval.temperature"] == 1.0
     # The same spec: nothing to run, the report is written.
     assert main(["compare", str(files / "spec.yaml")]) == 0
     assert "every pair is done" in capsys.readouterr().out
@@ -337,6 +334,12 @@ def test_compare_refuses_a_finished_pair_whose_definition_changed(files, capsys)
         line = one_error_line(capsys.readouterr().err)
         assert "1 pair(s) ran under another definition" in line, line
         assert "grpo/seed1 (rollout.strategy: grpo -> arpo)" in line, line
+    # What the pair recorded: its resolved config and eval settings when it ran.
+    from appo.compare.runner import PAIR_FILE, pair_definition
+
+    stored = json.loads((spec.run_dir("grpo", 1) / PAIR_FILE).read_text())
+    assert stored == pair_definition(spec, "grpo", 1)  # `spec`: the one it ran under
+    assert stored["rollout.strategy"] == "grpo" and stored["eval.temperature"] == 1.0
 
 
 def _children(pid: int) -> list[int]:
