@@ -78,7 +78,7 @@ def trained_run(files, capsys) -> Path:
 
 
 # ---------------------------------------------------------------- 1. one owner per run dir
-def test_a_live_run_refuses_a_second_resume_and_an_overwrite(trained_run):
+def test_a_live_run_refuses_a_second_resume_and_an_overwrite(trained_run, capsys):
     from appo.config import load_config
     from appo.trainer.loop import RLTrainer
 
@@ -97,8 +97,8 @@ def test_a_live_run_refuses_a_second_resume_and_an_overwrite(trained_run):
         live.tools.close()
         live.run_dir.release()
     # Once the live run has let go, the same resume runs.
-    r = run_cli(*TRAIN, "trainer.total_steps=2", "trainer.resume=true")
-    assert r.returncode == 0, r.stderr[-2000:]
+    rc, err = train_in_process(capsys, "trainer.total_steps=2", "trainer.resume=true")
+    assert rc == 0, err
     assert (trained_run / "global_step_2").is_dir()
 
 
