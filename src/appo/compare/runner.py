@@ -15,6 +15,11 @@ pair's lock, an exclusive `flock` on `output_dir/.locks/<variant>-seed<N>.lock`,
 over pairs another process holds. The kernel drops a lock when its holder dies, so a killed
 run never leaves one behind, and two processes never write one run directory.
 
+Each pair records what it ran under (`pair.json`: the resolved run config and the eval
+settings, `pair_definition`); `check_definitions` refuses to run or report a comparison in
+which a done pair's definition (or a started pair's, the step count aside) differs from the
+spec's, so old numbers are never reported under a new definition.
+
 Evaluation per set (`PairResult`): greedy pass@1 (one answer at temperature 0) and sampled
 pass@k (k answers at `eval.temperature`; a question counts when any is correct), per question
 so the report can pair questions across variants. The evaluation seed depends on the run's
