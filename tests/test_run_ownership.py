@@ -433,3 +433,16 @@ def test_a_failed_sample_write_names_the_file_and_leaves_no_half_chunk(evaluated
     line = err.strip().splitlines()[-1]
     assert line == f"error: could not write ev/arith/trajectories.jsonl: {words}", line
     assert {p: p.read_bytes() for p in (evaluated / "arith").iterdir()} == files
+
+
+def test_a_run_left_aside_by_a_killed_overwrite_is_pointed_out(tmp_path, capsys):
+    from appo.trainer.rundir import open_run_dir
+
+    aside = tmp_path / ".replaced_run_99999"  # a start killed before it finished
+    aside.mkdir()
+    (aside / "run.json").write_text("{}\n")
+    run = open_run_dir(str(tmp_path / "run"), "appo", "trainer.default_local_dir")
+    run.release()
+    err = capsys.readouterr().err
+    assert f"{aside} holds the run that an interrupted trainer.overwrite=true" in err, err
+    assert (aside / "run.json").is_file()  # never deleted: it may be the only copy

@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -169,6 +170,10 @@ def open_run_dir(configured: str | None, kind: str, key: str, *, resume: bool = 
     run = RunDir(path, new_dirs, resume=resume)
     had_lock_file = (path / LOCK_NAME).exists()
     run.lock = lock_dir(path, "run directory")
+    # Under the lock, an aside copy is no live overwrite's: one that was killed while starting.
+    for old in sorted(path.parent.glob(f"{ASIDE_PREFIX}{path.name}_*")):
+        print(f"appo: note: {old} holds the run that an interrupted trainer.overwrite=true "
+              f"was replacing; move it back to {path}, or delete it", file=sys.stderr)
     try:
         _decide(run, key, overwrite, resumable)
         if not (path / RUN_MARKER).exists():
