@@ -79,13 +79,12 @@ class TrainedPart:
     def gather(self) -> PartStates:
         """The states to save; under FSDP a collective (every rank calls it) whose states are
         on rank 0 only."""
-        if self.sharded:
-            from appo.trainer.fsdp import full_model_state, full_optimizer_state
+        from appo.trainer.fsdp import full_model_state, full_optimizer_state
 
-            model = full_model_state(self.module, rank0_cpu=True)
-            optimizer = full_optimizer_state(self.module, self.optimizer)
-        else:
-            model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        model = (full_model_state(self.module, rank0_cpu=True) if self.sharded
+                 else self.module.state_dict())
+        # keyed by parameter name in every layout: any layout / world size resumes it
+        optimizer = full_optimizer_state(self.module, self.optimizer)
         aliases = _tied_aliases(self.module)
         return PartStates({k: v.detach() for k, v in model.items() if k not in aliases},
                           optimizer, self.scheduler.state_dict() if self.scheduler else None)
@@ -107,13 +106,13 @@ class TrainedPart:
         expected = set(self.module.state_dict())
         check_keys(path, sorted(expected - set(weights)), sorted(set(weights) - expected))
         state = torch.load(path / PART_STATE, map_location="cpu", weights_only=False)
-        if self.sharded:
-            from appo.trainer.fsdp import load_full_states
+        from appo.trainer.fsdp import load_full_states, load_optimizer_state
 
-            load_full_states(self.module, self.optimizer, weights, state["optimizer"])
+        if self.sharded:
+            load_full_states(self.module, self.optimizer, weights, None)
         else:
             self.module.load_state_dict(weights)
-            self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.module, self.optimizer, state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 
@@ -339,7 +338,7 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
     `parts` (e.g. the critic) are restored from their subdirectories.
     `lora` (an `appo.models.lora.LoraPolicy`): the checkpoint's adapter is loaded into it
     (the base weights are those of `model.path`, which the adapter was trained on)."""
-    from appo.trainer.fsdp import load_full_states
+    from appo.trainer.fsdp import keyed_by_name, load_full_states, load_optimizer_state
 
     path, loaded, skipped = find_checkpoint(root, load=True)
     for note in skipped if announce else []:
@@ -353,7 +352,10 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
         return 0
     state, trainer_state = loaded
     saved_fsdp = trainer_state["extra"].get("parallel") == "fsdp"
-    if saved_fsdp != fsdp:
+    optimizer_state = trainer_state["optimizer"]
+    # Name-keyed optimizer states (every checkpoint since they were) load into any layout and
+    # world size; an older positional one only into the layout that wrote it.
+    if saved_fsdp != fsdp and not keyed_by_name(optimizer_state):
         saved = "fsdp" if saved_fsdp else "ddp"
         raise AppoError(f"checkpoint {path} was written by a {saved} run; resume it with "
                         f"trainer.parallel={saved} (optimizer states differ)")
@@ -364,10 +366,7 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
                         f"{'> 0 as it was trained' if saved_lora else '= 0'}")
     if lora is not None:
         lora.load_adapter_state(state, path)
-        if fsdp:  # the gathered state of the adapter's parameters, into their shards
-            load_full_states(model, optimizer, None, trainer_state["optimizer"])
-        else:
-            optimizer.load_state_dict(trainer_state["optimizer"])
+        load_optimizer_state(model, optimizer, optimizer_state)
     elif fsdp:
         check_keys(path, *rollout_model.load_state_dict(state, strict=False))
         # The shards from the saved float32 weights themselves (the replica may be
@@ -375,10 +374,11 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
         full = dict(state)
         for alias, name in _tied_aliases(rollout_model).items():
             full.setdefault(alias, state[name])
-        load_full_states(model, optimizer, full, trainer_state["optimizer"])
+        load_full_states(model, optimizer, full, None)
+        load_optimizer_state(model, optimizer, optimizer_state)
     else:
         check_keys(path, *model.load_state_dict(state, strict=False))
-        optimizer.load_state_dict(trainer_state["optimizer"])
+        load_optimizer_state(model, optimizer, optimizer_state)
     scheduler.load_state_dict(trainer_state["scheduler"])
     for name, part in (parts or {}).items():
         part.load(path / name, path)

@@ -308,14 +308,14 @@ class RLTrainer:
         from appo.trainer.checkpoint import save_checkpoint
 
         extra = {"config": to_container(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
-        optimizer_state, lora, model_state = None, self.lora, None
+        lora, model_state = self.lora, None
         if self.fsdp:  # gather whole states (collectives: every rank takes part)
             if self.lora is None:  # the float32 masters, not the engine's replica
                 model_state = full_model_state(self.model, rank0_cpu=True)
             else:
                 self.sync_rollout_weights()  # the merge gathers shards: every rank, not rank 0
-            optimizer_state = full_optimizer_state(self.model, self.optimizer)
             lora = self.lora.snapshot() if self.lora is not None else None
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)  # any layout loads
         parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
         if not self.dp.is_main:
             return None
