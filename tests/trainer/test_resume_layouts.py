@@ -84,52 +84,111 @@ def test_positional_optimizer_state_still_loads():
         assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
 
 
+GAE = ["rollout.strategy=arpo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3"]
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> dict[str, Path]:
     return make_toy(tmp_path_factory.mktemp("toy"))
 
 
-GAE = ["rollout.strategy=arpo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3"]
+@pytest.fixture(scope="module")
+def fsdp_runs(toy) -> Path:
+    """Two FSDP processes (policy and critic sharded), 2 steps saved at each: `whole/` with
+    whole-state checkpoints, `sharded/` with sharded ones (layouts_worker.py, one launch)."""
+    here = Path(__file__).parent
+    r = _accelerate_launch(str(here / "layouts_worker.py"), str(toy["dir"]), str(here),
+                           timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return toy["dir"]
 
 
-def test_two_fsdp_processes_resume_in_one(toy, tmp_path):
-    """Two FSDP processes (policy and critic sharded) save at step 2; one process resumes:
-    the weights and optimizer states it loads are the saved ones exactly, and it trains on."""
-    from safetensors.torch import load_file
-
+def _resume_in_one_process(toy, out: Path, *extra: str):
     from appo.trainer.loop import RLTrainer
 
-    out = tmp_path / "run"
-    r = _accelerate_launch(
-        "-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
-        "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
-        f"custom_reward_function.path={toy['reward']}", "rollout.n=4",
-        "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2", "actor.optim.lr=1e-2",
-        *GAE, "trainer.parallel=fsdp", "trainer.total_steps=2",
-        f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ckpt = out / "global_step_2"
-    saved = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
-    assert saved["extra"]["parallel"] == "fsdp" and keyed_by_name(saved["optimizer"])
-
     trainer = RLTrainer(toy_config(toy, *GAE, "trainer.total_steps=3", "trainer.resume=true",
-                                   f"trainer.default_local_dir={out}"), progress=False)
+                                   f"trainer.default_local_dir={out}", *extra), progress=False)
     assert trainer.step == 2 and not trainer.fsdp
-    weights = load_file(str(ckpt / "model.safetensors"))
-    for name, p in trainer.model.named_parameters():
-        if name in weights:
-            assert torch.equal(p, weights[name]), name
-    loaded = full_optimizer_state(trainer.model, trainer.optimizer)
-    assert loaded["state"].keys() == saved["optimizer"]["state"].keys()
-    for name, st in saved["optimizer"]["state"].items():
-        for key, value in st.items():
-            assert torch.equal(loaded["state"][name][key], value), (name, key)
-    critic_saved = torch.load(ckpt / "critic" / "state.pt", map_location="cpu",
-                              weights_only=False)["optimizer"]
-    critic_loaded = full_optimizer_state(trainer.critic.model, trainer.critic.optimizer)
-    for name, st in critic_saved["state"].items():
-        assert torch.equal(critic_loaded["state"][name]["exp_avg"], st["exp_avg"]), name
+    return trainer
+
+
+def _assert_loaded(trainer, weights: dict, policy_optim: dict, critic_optim: dict) -> None:
+    """The resumed trainer holds exactly `weights` and the saved optimizer states."""
+    named = dict(trainer.model.named_parameters())
+    assert set(weights) <= set(named) and weights
+    for name, value in weights.items():
+        assert torch.equal(named[name], value), name
+    for module, optimizer, saved in ((trainer.model, trainer.optimizer, policy_optim),
+                                     (trainer.critic.model, trainer.critic.optimizer,
+                                      critic_optim)):
+        loaded = full_optimizer_state(module, optimizer)["state"]
+        assert loaded.keys() == saved["state"].keys() and loaded
+        for name, st in saved["state"].items():
+            for key, value in st.items():
+                assert torch.equal(loaded[name][key], value), (name, key)
+
+
+def _train_on(trainer, out: Path) -> None:
     trainer.fit()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert (out / "global_step_3" / "model.safetensors").is_file()
+
+
+def test_two_fsdp_processes_resume_in_one(toy, fsdp_runs):
+    """Whole states saved by two FSDP processes resume in one: the weights and optimizer
+    states it loads are the saved ones exactly, and it trains on."""
+    from safetensors.torch import load_file
+
+    out = fsdp_runs / "whole"
+    ckpt = out / "global_step_2"
+    saved = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+    assert saved["extra"]["parallel"] == "fsdp" and keyed_by_name(saved["optimizer"])
+    critic = torch.load(ckpt / "critic" / "state.pt", map_location="cpu", weights_only=False)
+    trainer = _resume_in_one_process(toy, out)
+    _assert_loaded(trainer, load_file(str(ckpt / "model.safetensors")), saved["optimizer"],
+                   critic["optimizer"])
+    _train_on(trainer, out)
+
+
+def _read_shards(ckpt: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt / "shards"), str(tmp_path / "all.pt"))
+    return torch.load(tmp_path / "all.pt", weights_only=False)
+
+
+def test_sharded_checkpoints_resume_in_one_process_and_export(toy, fsdp_runs, tmp_path):
+    """Sharded checkpoints of two FSDP processes: step 1 holds shards and no whole model,
+    the run's last (step 2) the whole model too (equal to its shards); `appo export` turns
+    step 1 into a directory transformers loads, equal to its shards; one process resumes
+    step 2 with exactly the saved states and trains on."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from appo.cli import main
+
+    out = fsdp_runs / "sharded"
+    first, last = out / "global_step_1", out / "global_step_2"
+    assert (first / "shards").is_dir() and not any(first.glob("*.safetensors"))
+    assert (first / "config.json").is_file() and not (first / "critic").exists()
+    shards = _read_shards(last, tmp_path)
+    whole = load_file(str(last / "model.safetensors"))
+    for name, value in whole.items():
+        assert torch.equal(shards["model"][name], value), name
+
+    exported = tmp_path / "hf"
+    assert main(["export", str(first), str(exported)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    step1 = _read_shards(first, tmp_path)["model"]
+    for name, p in model.state_dict().items():
+        if name in step1:
+            assert torch.equal(p, step1[name]), name
+    assert not all(torch.equal(step1[n], whole[n]) for n in whole)  # step 2 moved them
+    assert main(["export", str(first), str(exported)]) == 2  # not into a full directory
+
+    saved = torch.load(last / STATE_FILE, map_location="cpu", weights_only=False)
+    assert saved["extra"]["sharded"] and saved["optimizer"] is None
+    trainer = _resume_in_one_process(toy, out, "trainer.sharded_checkpoint=true")
+    _assert_loaded(trainer, whole, shards["optimizer"], shards["critic.optimizer"])
+    _train_on(trainer, out)
