@@ -114,7 +114,7 @@ def _resume_in_one_process(toy, out: Path, *extra: str):
 
 def _assert_loaded(trainer, weights: dict, policy_optim: dict, critic_optim: dict) -> None:
     """The resumed trainer holds exactly `weights` and the saved optimizer states."""
-    named = dict(trainer.model.named_parameters())
+    named = trainer.model.state_dict()  # tied weights under both names, as saved
     assert set(weights) <= set(named) and weights
     for name, value in weights.items():
         assert torch.equal(named[name], value), name
