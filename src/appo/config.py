@@ -201,6 +201,10 @@ def _validate(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator=appo needs rollout.strategy=appo (got "
             f"{cfg.rollout.strategy!r}); use grpo, rloo or reinforce_plus_plus with it"
         )
+    if cfg.trainer.sharded_checkpoint and cfg.model.lora_rank:
+        raise AppoError("trainer.sharded_checkpoint=true with model.lora_rank > 0: a LoRA "
+                        "checkpoint holds only the adapter, which is small and saved whole; "
+                        "drop trainer.sharded_checkpoint")
     if cfg.trainer.overwrite and cfg.trainer.resume:
         raise AppoError("trainer.overwrite=true and trainer.resume=true: resume continues the "
                         "run in trainer.default_local_dir, overwrite deletes it; give one")

@@ -306,6 +306,12 @@ class TrainerConfig:
     rollout_data_dir: str | None = None
     resume: bool = False
     overwrite: bool = False
+    # Checkpoints as each rank's shards (torch.distributed.checkpoint) instead of whole
+    # states gathered on rank 0: for models whose whole float32 weights and AdamW states do
+    # not fit one process's memory. Resumes in any layout and world size; the run's last
+    # checkpoint also holds the whole model, `appo export` turns any other into a Hugging
+    # Face directory. Not with LoRA (appo.trainer.sharded).
+    sharded_checkpoint: bool = False
     # glibc only: allocations of at least this many KB get their own mapping, returned to the
     # system when freed (mallopt M_MMAP_THRESHOLD). glibc's default raises its threshold up
     # to 32 MB as large blocks are freed, after which freed activations stay in the heap as

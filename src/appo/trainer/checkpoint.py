@@ -79,13 +79,12 @@ class TrainedPart:
     def gather(self) -> PartStates:
         """The states to save; under FSDP a collective (every rank calls it) whose states are
         on rank 0 only."""
-        if self.sharded:
-            from appo.trainer.fsdp import full_model_state, full_optimizer_state
+        from appo.trainer.fsdp import full_model_state, full_optimizer_state
 
-            model = full_model_state(self.module, rank0_cpu=True)
-            optimizer = full_optimizer_state(self.module, self.optimizer)
-        else:
-            model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        model = (full_model_state(self.module, rank0_cpu=True) if self.sharded
+                 else self.module.state_dict())
+        # keyed by parameter name in every layout: any layout / world size resumes it
+        optimizer = full_optimizer_state(self.module, self.optimizer)
         aliases = _tied_aliases(self.module)
         return PartStates({k: v.detach() for k, v in model.items() if k not in aliases},
                           optimizer, self.scheduler.state_dict() if self.scheduler else None)
@@ -107,13 +106,13 @@ class TrainedPart:
         expected = set(self.module.state_dict())
         check_keys(path, sorted(expected - set(weights)), sorted(set(weights) - expected))
         state = torch.load(path / PART_STATE, map_location="cpu", weights_only=False)
-        if self.sharded:
-            from appo.trainer.fsdp import load_full_states
+        from appo.trainer.fsdp import load_full_states, load_optimizer_state
 
-            load_full_states(self.module, self.optimizer, weights, state["optimizer"])
+        if self.sharded:
+            load_full_states(self.module, self.optimizer, weights, None)
         else:
             self.module.load_state_dict(weights)
-            self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.module, self.optimizer, state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 
@@ -269,7 +268,11 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 def _read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
+    from appo.trainer.sharded import is_sharded
+
     state: dict[str, torch.Tensor] = {}
+    if is_sharded(path):  # the weights are read from the shards, each rank its own part
+        return state, load_trainer_state(path)
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     return state, load_trainer_state(path)
@@ -339,8 +342,6 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
     `parts` (e.g. the critic) are restored from their subdirectories.
     `lora` (an `appo.models.lora.LoraPolicy`): the checkpoint's adapter is loaded into it
     (the base weights are those of `model.path`, which the adapter was trained on)."""
-    from appo.trainer.fsdp import load_full_states
-
     path, loaded, skipped = find_checkpoint(root, load=True)
     for note in skipped if announce else []:
         print(f"appo: skipped checkpoint {Path(root) / note}", file=sys.stderr)
@@ -352,8 +353,60 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
                   "starting at step 0")
         return 0
     state, trainer_state = loaded
+    if trainer_state["extra"].get("sharded"):
+        step = _resume_sharded(path, trainer_state, model, optimizer, scheduler, fsdp,
+                               rollout_model, parts or {}, lora)
+    else:
+        step = _resume_whole(path, state, trainer_state, model, optimizer, scheduler, fsdp,
+                             rollout_model, parts or {}, lora)
+    if announce:
+        print(f"appo: resumed from {path} at step {step}")
+        saved_config = trainer_state["extra"].get("config")
+        if config is not None and saved_config is not None:
+            for line in config_changes(saved_config, config):
+                print(f"appo: warning: resuming with a changed config: {line}", file=sys.stderr)
+    return step
+
+
+def _resume_sharded(path: Path, trainer_state: dict[str, Any], model, optimizer, scheduler,
+                    fsdp: bool, rollout_model, parts: dict[str, TrainedPart],
+                    lora: Any) -> int:
+    """A sharded checkpoint (`appo.trainer.sharded`): DCP reads each rank's part."""
+    from appo.trainer.fsdp import sync_replica
+    from appo.trainer.sharded import load_shards
+
+    if lora is not None:
+        raise AppoError(f"checkpoint {path} holds a full model in shards; resume it with "
+                        "model.lora_rank=0")
+    saved_parts = trainer_state.get("parts") or {}
+    if set(saved_parts) != set(parts):
+        raise AppoError(f"checkpoint {path} holds {sorted(saved_parts) or 'no part'} beside "
+                        f"the policy, this run trains {sorted(parts) or 'none'}; resume it "
+                        "with the same algorithm settings")
+    trained = {"": (model, optimizer)}
+    trained.update({name: (p.module, p.optimizer) for name, p in parts.items()})
+    load_shards(path, trained)
+    if fsdp and rollout_model is not None and rollout_model is not model and not any(
+            p.is_meta for p in rollout_model.parameters()):
+        sync_replica(model, rollout_model)  # the engine's whole copy, from the loaded shards
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    for name, part in parts.items():
+        if part.scheduler is not None and saved_parts[name] is not None:
+            part.scheduler.load_state_dict(saved_parts[name])
+    return int(trainer_state["step"])
+
+
+def _resume_whole(path: Path, state: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+                  model, optimizer, scheduler, fsdp: bool, rollout_model,
+                  parts: dict[str, TrainedPart], lora: Any) -> int:
+    """A whole-state checkpoint: the Hugging Face weights plus `trainer_state.pt`."""
+    from appo.trainer.fsdp import keyed_by_name, load_full_states, load_optimizer_state
+
     saved_fsdp = trainer_state["extra"].get("parallel") == "fsdp"
-    if saved_fsdp != fsdp:
+    optimizer_state = trainer_state["optimizer"]
+    # Name-keyed optimizer states (every checkpoint since they were) load into any layout and
+    # world size; an older positional one only into the layout that wrote it.
+    if saved_fsdp != fsdp and not keyed_by_name(optimizer_state):
         saved = "fsdp" if saved_fsdp else "ddp"
         raise AppoError(f"checkpoint {path} was written by a {saved} run; resume it with "
                         f"trainer.parallel={saved} (optimizer states differ)")
@@ -364,10 +417,7 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
                         f"{'> 0 as it was trained' if saved_lora else '= 0'}")
     if lora is not None:
         lora.load_adapter_state(state, path)
-        if fsdp:  # the gathered state of the adapter's parameters, into their shards
-            load_full_states(model, optimizer, None, trainer_state["optimizer"])
-        else:
-            optimizer.load_state_dict(trainer_state["optimizer"])
+        load_optimizer_state(model, optimizer, optimizer_state)
     elif fsdp:
         check_keys(path, *rollout_model.load_state_dict(state, strict=False))
         # The shards from the saved float32 weights themselves (the replica may be
@@ -375,21 +425,15 @@ def resume_training(root: str | Path, model, optimizer, scheduler, fsdp: bool = 
         full = dict(state)
         for alias, name in _tied_aliases(rollout_model).items():
             full.setdefault(alias, state[name])
-        load_full_states(model, optimizer, full, trainer_state["optimizer"])
+        load_full_states(model, optimizer, full, None)
+        load_optimizer_state(model, optimizer, optimizer_state)
     else:
         check_keys(path, *model.load_state_dict(state, strict=False))
-        optimizer.load_state_dict(trainer_state["optimizer"])
+        load_optimizer_state(model, optimizer, optimizer_state)
     scheduler.load_state_dict(trainer_state["scheduler"])
-    for name, part in (parts or {}).items():
+    for name, part in parts.items():
         part.load(path / name, path)
-    step = int(trainer_state["step"])
-    if announce:
-        print(f"appo: resumed from {path} at step {step}")
-        saved_config = trainer_state["extra"].get("config")
-        if config is not None and saved_config is not None:
-            for line in config_changes(saved_config, config):
-                print(f"appo: warning: resuming with a changed config: {line}", file=sys.stderr)
-    return step
+    return int(trainer_state["step"])
 
 
 # Keys that are expected to differ on resume: extending a run, the resume switches.

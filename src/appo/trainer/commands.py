@@ -1,5 +1,5 @@
 """`appo sft`, `appo train`, `appo demo` (the demo's stages are in appo.trainer.demo), `appo plan`
-(appo.trainer.plan_run)."""
+(appo.trainer.plan_run), `appo export` (appo.trainer.sharded)."""
 
 from __future__ import annotations
 
@@ -125,6 +125,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from appo.trainer.sharded import export_hf
+
+    export_hf(args.checkpoint, args.out)
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "plan", help="memory per GPU of a run before any GPU is held (exit 1: does not fit)",
@@ -148,6 +155,14 @@ def register(sub) -> None:
                         "released, vLLM sleep mode as verl)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(handler=_plan)
+    p = sub.add_parser(
+        "export", help="a sharded checkpoint as a Hugging Face model directory",
+        description="Write the policy of a sharded checkpoint (trainer.sharded_checkpoint=true, "
+                    "global_step_N with shards/) as a Hugging Face directory that transformers "
+                    "and vLLM load: config, safetensors, tokenizer. One process, no GPU.")
+    p.add_argument("checkpoint", help="the checkpoint directory (runs/.../global_step_N)")
+    p.add_argument("out", help="the directory to write (new or empty)")
+    p.set_defaults(handler=_export)
     p = sub.add_parser("sft", help="supervised cold start on tool trajectories (sft.*)")
     add_config_args(p)
     p.set_defaults(handler=_sft)

@@ -146,6 +146,24 @@ def full_optimizer_state(model, optimizer) -> dict[str, Any]:
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict is the whole-model one keyed by parameter name
+    (`full_optimizer_state`, which any layout loads), not `Optimizer.state_dict()`'s
+    positions (which only the same layout loads)."""
+    groups = optimizer_state.get("param_groups") or [{}]
+    return any(isinstance(k, str) for k in optimizer_state.get("state", {})) or any(
+        isinstance(p, str) for g in groups for p in g.get("params", []))
+
+
+def load_optimizer_state(model, optimizer, state: dict[str, Any]) -> None:
+    """A saved optimizer state into `optimizer` (of `model`, sharded or not): name-keyed
+    states through torch's state-dict API (they reshard), positional ones as they are."""
+    if keyed_by_name(state):
+        load_full_states(model, optimizer, None, state)
+    else:
+        optimizer.load_state_dict(state)
+
+
 def load_full_states(model, optimizer, model_state: dict | None,
                      optimizer_state: dict | None) -> None:
     """Load whole-model states (as saved by any layout) into the sharded model/optimizer;

@@ -38,8 +38,6 @@ from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import (
     fsdp_offload,
     fsdp_requested,
-    full_model_state,
-    full_optimizer_state,
     meta_skeleton,
     shard_model,
     sync_replica,
@@ -306,29 +304,10 @@ class RLTrainer:
                 and not uses_critic(c))
 
     def save(self) -> Path | None:
-        from appo.config import to_container
-        from appo.trainer.checkpoint import save_checkpoint
+        """Write a checkpoint (every rank calls it): `appo.trainer.saving`."""
+        from appo.trainer.saving import save_run
 
-        extra = {"config": to_container(self.cfg), "parallel": "fsdp" if self.fsdp else "ddp"}
-        optimizer_state, lora, model_state = None, self.lora, None
-        if self.fsdp:  # gather whole states (collectives: every rank takes part)
-            if self.lora is None:  # the float32 masters, not the engine's replica
-                model_state = full_model_state(self.model, rank0_cpu=True)
-            else:
-                self.sync_rollout_weights()  # the merge gathers shards: every rank, not rank 0
-            optimizer_state = full_optimizer_state(self.model, self.optimizer)
-            lora = self.lora.snapshot() if self.lora is not None else None
-        parts = {name: part.gather() for name, part in self._parts().items()}  # collectives
-        if not self.dp.is_main:
-            return None
-        merged = None
-        if self.lora is not None and self.cfg.model.lora_save_merged:
-            self.sync_rollout_weights()  # the merged model of the current adapter
-            merged = self.rollout_model
-        return save_checkpoint(self.out_dir, self.step, self.rollout_model, self.tokenizer,
-                               self.optimizer, self.scheduler, extra=extra,
-                               optimizer_state=optimizer_state, parts=parts, lora=lora,
-                               merged=merged, model_state=model_state)
+        return save_run(self)
 
     def _parts(self) -> dict:
         """Trained modules besides the policy, for checkpoints: the critic, if any."""
