@@ -306,7 +306,8 @@ def test_fifty_megabytes_of_output(tool, clean):
     assert "output exceeded" in result.text
     assert "characters truncated" in result.text
     assert len(result.text) <= 2000 + 100
-    assert time.monotonic() - start < 1.5  # stopped at the cap, not at the time limit
+    # stopped at the cap, not at the 30 s time limit (a bound a busy machine still meets)
+    assert time.monotonic() - start < 15
 
 
 def test_loopback_port_opened_by_the_test(tool, clean):
