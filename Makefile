@@ -24,16 +24,21 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The default suite plus the tests that load the real SmolLM2 (marked slow) — the
-# README's test command, and what CI runs.
+# README's test command, and what CI runs — in one pytest run over TEST_WORKERS processes
+# (pytest-xdist; one per core, at most 4: each worker imports torch and loads its own
+# models). --dist loadfile keeps a file's tests on one worker, so a module-scoped fixture
+# (a two-process launch, a loaded engine) is paid once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
-	$(BIN)/python -m pytest -q -m "slow" --durations=25 tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25 tests
+	$(PYTEST) -m "not slow" tests
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow" --durations=25 tests
+	$(PYTEST) -m "slow" tests
 
 demo: $(STAMP)
 	$(BIN)/appo demo

