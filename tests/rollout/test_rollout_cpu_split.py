@@ -207,3 +207,21 @@ def test_engine_decode_is_bit_identical_with_split_kernels(name, monkeypatch,
     three = run(3)
     assert max(chunk_counts) > 3  # the decode steps' matmuls were split
     assert three == one  # same tokens, same log-probs and entropies, to the bit
+
+
+def test_a_weight_changed_in_place_or_swapped_is_read_afresh():
+    # kernels.linear keeps one numpy view per weight tensor; an in-place update must show
+    # through it and a swapped `.data` (other memory, even another shape) must replace it.
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(64, 32, generator=gen, dtype=torch.float64))
+    x = torch.randn(3, 32, generator=gen, dtype=torch.float64)
+    changes = (lambda: weight.data.mul_(2),
+               lambda: setattr(weight, "data", torch.randn(64, 32, dtype=torch.float64)),
+               lambda: setattr(weight, "data", torch.randn(40, 32, dtype=torch.float64)))
+    for change in changes:
+        kernels.linear(x, weight)
+        with torch.no_grad():
+            change()
+        got = kernels.linear(x, weight)
+        assert got.shape == (3, weight.shape[0])
+        torch.testing.assert_close(got, F.linear(x, weight.detach()), rtol=0, atol=1e-12)

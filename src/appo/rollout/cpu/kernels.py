@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -157,6 +158,25 @@ def wide_registers() -> bool:
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 
 
+def _weight_array(weight: Tensor) -> np.ndarray:
+    """`weight` as a numpy array sharing its memory, made once per weight tensor: every
+    `Tensor.numpy()` is five dispatched op calls, and a decode step passes each weight
+    once. Kept while the tensor lives and still points at the same memory (a parameter
+    whose `.data` was swapped gets a new array; in-place updates show through the view)."""
+    key = id(weight)
+    entry = _arrays.get(key)
+    if (entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr()
+            and entry[2].shape == weight.shape):
+        return entry[2]
+    array = weight.detach().numpy()
+    _arrays[key] = (weakref.ref(weight, lambda _, key=key: _arrays.pop(key, None)),
+                    weight.data_ptr(), array)
+    return array
+
+
+_arrays: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
            wide: bool = False, threads: int | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
@@ -174,8 +194,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         if _kernel is None:
             _kernel = _build()
         kernel = _kernel
-    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
-    split.run(kernel, rows.detach().numpy(), weight.detach().numpy(), out.numpy(),
+    # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
+    dtype = _NUMPY.get(x.dtype) or torch.empty(0, dtype=x.dtype).numpy().dtype
+    out_array = np.empty((rows.shape[0], weight.shape[0]), dtype=dtype)
+    split.run(kernel, rows.detach().numpy() if rows.requires_grad else rows.numpy(),
+              _weight_array(weight), out_array,
               torch.get_num_threads() if threads is None else threads)
+    out = torch.from_numpy(out_array)
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
