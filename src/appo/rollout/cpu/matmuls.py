@@ -148,10 +148,9 @@ RULES: dict[str, MatmulRule] = {
     "torch": MatmulRule.parse("torch"),
 }
 # The rules were measured at 1 and 2 torch threads while the kernels ran on one thread;
-# they now split over the run's threads (`appo.rollout.cpu.split`, same results), so at 2
-# threads they can only have gained where a rule names them; where it names MKL at 2
-# threads the split kernels are not measured yet. With more threads MKL's threaded GEMM is
-# the safer default.
+# they now split over the run's threads (`appo.rollout.cpu.split`, same results), which
+# is not yet timed on a quiet machine, neither where a rule names them nor against MKL
+# where it does not. With more threads MKL's threaded GEMM is the safer default.
 MAX_RULE_THREADS = 2
 
 
