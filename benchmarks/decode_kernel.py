@@ -8,6 +8,18 @@ down) and the LM head, each way timed as the best of `--repeats` passes over all
 rule the fastest-per-row-count choices make (an `APPO_DECODE_MATMUL` value) and the rule
 the engine follows on this machine; the tables in `RESULTS.md` come from it.
 
+With `--threads` above 1 the numba kernels split their output columns over the threads
+(`appo.rollout.cpu.split`); the table then also times each kernel on one thread (`numba@1`,
+`numba_wide@1`: the kernels as they ran before the split, the same code and bit-identical
+results) in the same passes and prints the threaded kernel's speed-up over it.
+
+`--engine`: the hf engine decoding `--engine-rows` rows x `--new-tokens` tokens (EOS off,
+`code_search` prompts, 4 rows per prompt) with its rule for this machine, the kernels on
+all `--threads` threads against the same rule with the kernels on one thread, sides
+interleaved (order alternating), same seed per repeat; the token ids of both sides must be
+equal (checked). decode tok/s = rows x (N - 1) / (wall of the N-token call - wall of a
+1-token call on the same prompts), so the prefill cancels.
+
 `--rollout`: the engine's fixed rule against a per-bucket choice measured in this process
 the way the former decode matmul plan did (every implementation timed on the model's
 weights at each row-count bucket up to the batch size, best of 3, interleaved), both
@@ -18,12 +30,15 @@ throughput = sampled tokens / CPU seconds of the decode call.
 
     .venv/bin/python benchmarks/decode_kernel.py                   # 1 thread
     .venv/bin/python benchmarks/decode_kernel.py --threads 2 --rows 8,16,32
+    .venv/bin/python benchmarks/decode_kernel.py --threads 2 --engine --engine-rows 8,32
     .venv/bin/python benchmarks/decode_kernel.py --rollout --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import statistics
 import time
@@ -75,10 +90,38 @@ def fastest_rule(fastest: dict[int, str]):
     return MatmulRule(tuple(steps))
 
 
-def candidates(use_kernels: bool):
+def one_thread(impl):
+    """`impl` (a numba kernel) with its output columns on the calling thread only."""
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.matmuls import Implementation
+
+    linear = functools.partial(kernels.linear, wide=impl.name == "numba_wide", threads=1)
+    return Implementation(f"{impl.name}@1", linear, linear, kernel=True)
+
+
+def candidates(use_kernels: bool, single: bool = False):
+    """Every implementation this machine can run; `single` adds the kernels on one thread."""
     from appo.rollout.cpu.matmuls import IMPLEMENTATIONS
 
-    return [impl for impl in IMPLEMENTATIONS.values() if use_kernels or not impl.kernel]
+    impls = [impl for impl in IMPLEMENTATIONS.values() if use_kernels or not impl.kernel]
+    return impls + ([one_thread(i) for i in impls if i.kernel] if single else [])
+
+
+@contextlib.contextmanager
+def kernels_on_one_thread():
+    """The engine's kernel implementations pinned to one thread while inside."""
+    from appo.rollout.cpu import matmuls
+
+    saved = dict(matmuls.IMPLEMENTATIONS)
+    for name, impl in saved.items():
+        if impl.kernel:
+            single = one_thread(impl)
+            matmuls.IMPLEMENTATIONS[name] = matmuls.Implementation(
+                name, single.linear, single.head, kernel=True)
+    try:
+        yield
+    finally:
+        matmuls.IMPLEMENTATIONS.update(saved)
 
 
 def table(lm, rows_list: list[int], repeats: int, threads: int) -> None:
@@ -87,18 +130,24 @@ def table(lm, rows_list: list[int], repeats: int, threads: int) -> None:
     from appo.rollout.cpu.matmuls import default_rule
 
     decoder = LeanDecoder(lm.model)
-    impls = candidates(kernels.available())
+    impls = candidates(kernels.available(), single=threads > 1)
     names = [impl.name for impl in impls]
-    print(f"threads {threads}, wall time, ms per decode step (projections + LM head)")
-    print("| rows | " + " | ".join(names) + " | fastest | vs torch |")
-    print("| --- " * (len(names) + 3) + "|")
+    split = [n for n in names if f"{n}@1" in names]  # threaded kernels with a 1-thread twin
+    print(f"threads {threads}, wall time, ms per decode step (projections + LM head); "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("| rows | " + " | ".join(names) + " | fastest | vs torch | "
+          + "".join(f"{n} vs {n}@1 | " for n in split))
+    print("| --- " * (len(names) + 3 + len(split)) + "|")
     fastest = {}
     for rows in rows_list:
         best = best_times(decoder, impls, rows, repeats)
-        fastest[rows] = min(best, key=best.get)
+        # The rule can only name the engine's implementations, not the 1-thread twins.
+        fastest[rows] = min((n for n in best if "@" not in n), key=best.get)
         cells = " | ".join(f"{best[n] * 1e3:.1f}" for n in names)
+        gains = "".join(f"{best[f'{n}@1'] / best[n]:.2f}x | " for n in split)
         print(f"| {rows} | {cells} | {fastest[rows]} | "
-              f"{best['torch'] / best[fastest[rows]]:.2f}x |", flush=True)
+              f"{best['torch'] / best[fastest[rows]]:.2f}x | {gains}", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     print(f"fastest per row count (APPO_DECODE_MATMUL): {fastest_rule(fastest)}")
     print(f"the engine's rule on this machine: {default_rule(kernels.available())}")
 
@@ -165,11 +214,67 @@ def rollout_compare(lm, repeats: int) -> None:
     print(f"load average at end: {load_average()}")
 
 
+def engine_compare(lm, rows_list: list[int], new_tokens: int, repeats: int) -> None:
+    """The engine's rule with the kernels on every thread vs on one (module docstring)."""
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+    from rollout import QUESTIONS, chat_ids
+
+    tok, per_prompt = lm.tokenizer, 4
+    eng = HFEngine(lm.model, tok, seed=0, eos_ids=frozenset())
+    print(f"threads {torch.get_num_threads()}, rule {eng._lean.rule}, "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+
+    def call(prompts, tokens: int, seed: int) -> tuple[float, list[list[int]]]:
+        eng.reseed(seed)
+        roots = [eng.add_row(p) for p in prompts]
+        rows = [r for root in roots for r in eng.fork(root, per_prompt)]
+        t0 = time.perf_counter()
+        outs = eng.decode(rows, [tokens] * len(rows), SamplingParams(temperature=1.0))
+        wall = time.perf_counter() - t0
+        eng.release(rows + roots)
+        assert all(len(o.token_ids) == tokens for o in outs)  # EOS off: full budgets
+        return wall, [list(o.token_ids) for o in outs]
+
+    def measure(side: str, prompts, seed: int):
+        with kernels_on_one_thread() if side == "one" else contextlib.nullcontext():
+            t1, _ = call(prompts, 1, seed)
+            tn, ids = call(prompts, new_tokens, seed)
+        rows = len(prompts) * per_prompt
+        return rows * (new_tokens - 1) / (tn - t1), ids
+
+    call([chat_ids(tok, QUESTIONS[0], "code_search", ["python", "search"])], 2, 0)  # warm up
+    print("| rows | decode tok/s, kernels on 1 thread | on all threads | ratio per repeat "
+          "| median ratio | load average |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n_rows in rows_list:
+        prompts = [chat_ids(tok, QUESTIONS[i % len(QUESTIONS)], "code_search",
+                            ["python", "search"]) for i in range(n_rows // per_prompt)]
+        tok_s: dict[str, list[float]] = {"one": [], "all": []}
+        loads = []
+        for rep in range(repeats):
+            ids = {}
+            for side in ("one", "all") if rep % 2 == 0 else ("all", "one"):
+                rate, ids[side] = measure(side, prompts, rep)
+                tok_s[side].append(rate)
+            assert ids["one"] == ids["all"], "the split kernels changed the sampled tokens"
+            loads.append(os.getloadavg()[0])
+        ratios = [b / a for a, b in zip(tok_s["one"], tok_s["all"], strict=True)]
+        print(f"| {n_rows} | {statistics.median(tok_s['one']):.1f} | "
+              f"{statistics.median(tok_s['all']):.1f} | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f}x | "
+              f"{min(loads):.1f}-{max(loads):.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (MKL)")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24,32,48,64")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", action="store_true",
+                        help="the engine's decode, kernels on all threads vs on one")
+    parser.add_argument("--engine-rows", default="8,32")
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rollout", action="store_true",
                         help="fixed rule vs the former measured plan on a rollout batch")
     args = parser.parse_args()
@@ -178,7 +283,10 @@ def main() -> None:
     from appo.models import load_model
 
     lm = load_model("smollm2-135m", device="cpu")
-    if args.rollout:
+    if args.engine:
+        engine_compare(lm, [int(r) for r in args.engine_rows.split(",")], args.new_tokens,
+                       args.repeats)
+    elif args.rollout:
         rollout_compare(lm, args.repeats)
     else:
         table(lm, [int(r) for r in args.rows.split(",")], args.repeats, args.threads)

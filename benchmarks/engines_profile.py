@@ -182,9 +182,16 @@ def main() -> None:
     all_ticks = sum(t for _, t in busy.values()) or 1
     print(f"CPU time of the {args.new_tokens}-token call by thread ({len(ticks)} threads, "
           f"{all_ticks} ticks):")
+    # Python names its threads only for itself: the caller, the split kernels' helpers
+    # (`appo.rollout.cpu.split`) and the rest (torch's OpenMP workers among them).
+    import threading
+
+    roles = {t.native_id: t.name for t in threading.enumerate()}
+    roles[threading.get_native_id()] = "caller"
     for tid, (name, t) in sorted(busy.items(), key=lambda kv: -kv[1][1]):
         names[name] += 1
-        print(f"  {tid} {name}: {100 * t / all_ticks:.0f}%")
+        print(f"  {tid} {name} ({roles.get(tid, 'not a Python thread')}): "
+              f"{100 * t / all_ticks:.0f}%")
 
 
 if __name__ == "__main__":

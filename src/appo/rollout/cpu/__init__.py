@@ -6,4 +6,6 @@
   CPU (`APPO_DECODE_MATMUL` overrides it).
 - `kernels`: the numba matmul kernels, from the optional extra `appo[cpu-kernels]`; without
   numba decode steps use torch, only slower.
+- `split`: runs a kernel over every thread the run is given (output columns in chunks),
+  bit-identical to one thread.
 """

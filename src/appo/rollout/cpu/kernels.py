@@ -11,6 +11,9 @@ LLVM vectorises the dot products.
   16 accumulators. It needs 32 vector registers (AVX-512) to pay off: with AVX-512 the first
   kernel is load-bound past a few rows, reloading every input row for every weight row.
 
+Both compute the output columns `lo:hi` of one call; `linear` splits the columns over the
+run's threads (`appo.rollout.cpu.split`), bit-identical to one call over all of them.
+
 Which kernel (or MKL) a decode step runs is decided in `appo.rollout.cpu.matmuls`; timings
 per CPU are in `benchmarks/RESULTS.md` (`benchmarks/decode_kernel.py`).
 
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from appo.rollout.cpu import split
 
 try:  # optional extra: the lean decoder falls back to torch without it
     import numba
@@ -44,11 +50,13 @@ def available() -> bool:
 
 def _build():
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
-    def rows_times_weight_t(x, w, out):  # pragma: no cover - compiled by numba
+    def rows_times_weight_t(x, w, out, lo, hi):  # pragma: no cover - compiled by numba
+        # Output columns lo:hi (weight rows); each column's sum runs the same code whatever
+        # the bounds, so splitting the columns over calls leaves every output unchanged.
         m_rows, k_len = x.shape
         m8 = m_rows - m_rows % 8
         m4 = m_rows - m_rows % 4
-        for n in range(w.shape[0]):
+        for n in range(lo, hi):
             # One weight row at a time (read from memory once), against 8, then 4, then
             # single input rows: it stays in L1 for all of them.
             for m in range(0, m8, 8):
@@ -85,15 +93,16 @@ def _build():
 
 def _build_wide():
     @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
-    def weight_blocks_times_row_pairs(x, w, out):  # pragma: no cover - compiled by numba
+    def weight_blocks_times_row_pairs(x, w, out, lo, hi):  # pragma: no cover - numba
         # Eight weight rows against two input rows: 16 accumulators, 10 loads per 16
         # multiply-adds (the row-at-a-time kernel does 9 per 8). Needs 32 vector registers
-        # (AVX-512); with 16 the accumulators spill.
+        # (AVX-512); with 16 the accumulators spill. Output columns lo:hi; with lo a
+        # multiple of 8 the blocks of 8 fall where a call over all columns puts them, so
+        # each output runs the same code (`split.column_chunks` keeps that alignment).
         m_rows, k_len = x.shape
-        n_len = w.shape[0]
-        n8 = n_len - n_len % 8
+        n8 = hi - (hi - lo) % 8
         m2 = m_rows - m_rows % 2
-        for n in range(0, n8, 8):
+        for n in range(lo, n8, 8):
             for m in range(0, m2, 2):
                 a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
                 b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
@@ -128,7 +137,7 @@ def _build_wide():
                     for k in range(k_len):
                         a0 += x[m, k] * w[n + j, k]
                     out[m, n + j] = a0
-        for n in range(n8, n_len):
+        for n in range(n8, hi):
             for m in range(m_rows):
                 a0 = np.float32(0.0)
                 for k in range(k_len):
@@ -149,11 +158,32 @@ def wide_registers() -> bool:
     return bool(binding.get_host_cpu_features().get("avx512f", False))
 
 
+def _weight_array(weight: Tensor) -> np.ndarray:
+    """`weight` as a numpy array sharing its memory, made once per weight tensor: every
+    `Tensor.numpy()` is five dispatched op calls, and a decode step passes each weight
+    once. Kept while the tensor lives and still points at the same memory (a parameter
+    whose `.data` was swapped gets a new array; in-place updates show through the view)."""
+    key = id(weight)
+    entry = _arrays.get(key)
+    if (entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr()
+            and entry[2].shape == weight.shape):
+        return entry[2]
+    array = weight.detach().numpy()
+    _arrays[key] = (weakref.ref(weight, lambda _, key=key: _arrays.pop(key, None)),
+                    weight.data_ptr(), array)
+    return array
+
+
+_arrays: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           wide: bool = False) -> Tensor:
+           wide: bool = False, threads: int | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
     float64 in tests); returns `[..., N]`, a new contiguous tensor. `wide` picks the
-    8-weight-rows x 2-input-rows kernel (worth it only with AVX-512's 32 registers)."""
+    8-weight-rows x 2-input-rows kernel (worth it only with AVX-512's 32 registers).
+    `threads` (default: torch's thread count) split the output columns
+    (`appo.rollout.cpu.split`); the result is bit-identical for any count."""
     global _kernel, _wide_kernel
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if wide:
@@ -164,7 +194,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         if _kernel is None:
             _kernel = _build()
         kernel = _kernel
-    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype)
-    kernel(rows.detach().numpy(), weight.detach().numpy(), out.numpy())
+    # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
+    dtype = _NUMPY.get(x.dtype) or torch.empty(0, dtype=x.dtype).numpy().dtype
+    out_array = np.empty((rows.shape[0], weight.shape[0]), dtype=dtype)
+    split.run(kernel, rows.detach().numpy() if rows.requires_grad else rows.numpy(),
+              _weight_array(weight), out_array,
+              torch.get_num_threads() if threads is None else threads)
+    out = torch.from_numpy(out_array)
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}

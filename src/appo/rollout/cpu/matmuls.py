@@ -147,8 +147,10 @@ RULES: dict[str, MatmulRule] = {
     "amd-torch": MatmulRule.parse("1:torch,2:torch_weight_first,6:torch"),
     "torch": MatmulRule.parse("torch"),
 }
-# The rules were measured at 1 and 2 torch threads; the kernels run on one. With more
-# threads MKL's threaded GEMM is the safer default.
+# The rules were measured at 1 and 2 torch threads while the kernels ran on one thread;
+# they now split over the run's threads (`appo.rollout.cpu.split`, same results), which
+# is not yet timed on a quiet machine, neither where a rule names them nor against MKL
+# where it does not. With more threads MKL's threaded GEMM is the safer default.
 MAX_RULE_THREADS = 2
 
 
