@@ -223,15 +223,9 @@ def test_grpo_advantages_from_trajectories():
 
 
 def _accelerate_launch(*args: str, timeout: float = 300):
-    import os
-    import subprocess
-    import sys
+    from two_procs import accelerate_launch
 
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(repo / "configs" / "accelerate" / "cpu_2proc.yaml"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return accelerate_launch(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
