@@ -209,7 +209,7 @@ def test_arch_option_and_a_local_model_directory(tmp_path, capsys):
 
 def test_plan_cli_in_a_subprocess():
     """The installed entry point: exit status 1 and the verdict when the run does not fit."""
-    r = run_cli("plan", SEVEN_B, "trainer.parallel=ddp", "--gpus", "8")
+    r = run_cli("plan", SEVEN_B, "trainer.parallel=ddp", "--gpus", "8", subprocess=True)
     assert r.returncode == 1, r.stderr
     assert "verdict: does not fit" in r.stdout and "AdamW states" in r.stdout
 

@@ -353,27 +353,30 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
 
 def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
     """The trainer under FSDP with the critic: 2 steps + resume to 3 equals 3 straight (the
-    checkpoint holds gathered whole states of both; resume loads them into the shards)."""
+    checkpoint holds gathered whole states of both; resume loads them into the shards).
+    Two launches: the straight and the 2-step run in one, the resume in a fresh one."""
     import json
 
     from safetensors.torch import load_file
-    from test_trainer_rl import _accelerate_launch
+    from two_procs import launch_runs
 
-    def run(out, *extra):
-        r = _accelerate_launch(
-            "-m", "appo.cli", "train", "model.path=tiny-test",
-            f"data.train_files=[{toy['data']}]", "data.val_files=[]",
-            "data.train_batch_size=2", "data.max_response_length=16",
-            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
-            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
-            "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.parallel=fsdp",
-            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", *extra)
-        assert r.returncode == 0, r.stderr[-3000:]
+    def args(out, *extra):
+        return ["train", "model.path=tiny-test",
+                f"data.train_files=[{toy['data']}]", "data.val_files=[]",
+                "data.train_batch_size=2", "data.max_response_length=16",
+                f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+                "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+                "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "trainer.parallel=fsdp",
+                f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", *extra]
+
+    def metrics(out):
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    straight = run(tmp_path / "a", "trainer.total_steps=3")
-    run(tmp_path / "b", "trainer.total_steps=2")
-    resumed = run(tmp_path / "b", "trainer.total_steps=3", "trainer.resume=true")
+    a, b = tmp_path / "a", tmp_path / "b"
+    launch_runs([args(a, "trainer.total_steps=3"), args(b, "trainer.total_steps=2")], tmp_path)
+    assert [row["step"] for row in metrics(b)] == [1, 2]  # stopped at 2, before the resume
+    launch_runs([args(b, "trainer.total_steps=3", "trainer.resume=true")], tmp_path)
+    straight, resumed = metrics(a), metrics(b)
     assert [row["step"] for row in resumed] == [1, 2, 3]
     for k in ["reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
               "critic/grad_norm", "adv/values_mean"]:

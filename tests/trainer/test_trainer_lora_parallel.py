@@ -7,13 +7,12 @@ uninterrupted one under each layout."""
 from __future__ import annotations
 
 import json
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_trainer_rl import _fixed_rows, make_toy
+from two_procs import accelerate_launch, launch_runs
 
 from appo.config import ActorConfig, ModelConfig
 from appo.models import load_model
@@ -42,32 +41,12 @@ def lora_update_setup():
     return lora, rows, ActorConfig(ppo_mini_batch_size=2, ppo_max_token_len_per_device=64)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(*args: str, timeout: float = 600):
-    """`accelerate launch` of 2 CPU processes on a free port (other runs may hold the
-    config's fixed one)."""
-    import os
-    import subprocess
-
-    repo = HERE.parents[1]
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(repo / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           "--main_process_port", str(_free_port()), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
 @pytest.fixture(scope="module")
 def two_process_lora_updates(tmp_path_factory) -> dict[str, dict]:
     """lora_parallel_worker.py's update under each layout, from one launch for both (a
     launch pays two interpreter starts and imports before any work)."""
     out = tmp_path_factory.mktemp("lora_update") / "updates.pt"
-    r = _launch(str(HERE / "lora_parallel_worker.py"), str(out), str(HERE), "ddp,fsdp")
+    r = accelerate_launch(str(HERE / "lora_parallel_worker.py"), str(out), str(HERE), "ddp,fsdp")
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out)
 
@@ -107,8 +86,41 @@ def test_two_process_lora_update_matches_single_process(two_process_lora_updates
         assert torch.allclose(dist["merged"][name], p, atol=1e-5), name
 
 
+def _lora_run_args(toy: dict[str, Path], run: Path, parallel: str, *extra: str) -> list[str]:
+    return ["train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
+            "data.val_files=[]", "data.train_batch_size=2", "data.max_response_length=16",
+            f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
+            "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
+            "actor.optim.lr=1e-2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+            f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
+            f"trainer.parallel={parallel}", "trainer.save_freq=2",
+            "model.lora_save_merged=true", *LORA, *extra]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lora_resume_runs(tmp_path_factory) -> dict[str, dict]:
+    """Per layout: `a` 3 steps straight, `b` 2 steps, then `b` resumed to 3. Two launches
+    for the six runs (there were six launches): the straight and the 2-step runs of both
+    layouts in the first, both resumes in the second, so every resume starts in a process
+    that has not trained that run (a fresh process, as a user's resume)."""
+    root = tmp_path_factory.mktemp("lora_resume")
+    toy = make_toy(root)
+    dirs = {p: (root / p / "a", root / p / "b") for p in ("ddp", "fsdp")}
+    launch_runs([_lora_run_args(toy, run, p, f"trainer.total_steps={steps}")
+                 for p, (a, b) in dirs.items() for run, steps in ((a, 3), (b, 2))], root)
+    # What the 2-step run logged, read before the resume appends to it.
+    before = {p: _metrics(b) for p, (_, b) in dirs.items()}
+    launch_runs([_lora_run_args(toy, b, p, "trainer.total_steps=3", "trainer.resume=true")
+                 for p, (_, b) in dirs.items()], root)
+    return {p: {"a": a, "b": b, "b_rows_at_2": before[p]} for p, (a, b) in dirs.items()}
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_process_lora_run_resume_equals_uninterrupted(tmp_path, parallel):
+def test_two_process_lora_run_resume_equals_uninterrupted(lora_resume_runs, parallel):
     """`appo train` on 2 processes with a KL term (its reference: the adapter switched off
     on the sharded or replicated model): 2 steps with checkpoints (rank 0 writes the
     gathered adapter and the merged model), resumed to 3, equals 3 uninterrupted steps."""
@@ -116,27 +128,9 @@ def test_two_process_lora_run_resume_equals_uninterrupted(tmp_path, parallel):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    toy = make_toy(tmp_path)
-
-    def args(run: Path) -> list[str]:
-        return ["-m", "appo.cli", "train", "model.path=tiny-test",
-                f"data.train_files=[{toy['data']}]", "data.val_files=[]",
-                "data.train_batch_size=2", "data.max_response_length=16",
-                f"custom_reward_function.path={toy['reward']}", "rollout.strategy=arpo",
-                "rollout.n=4", "rollout.initial_rollouts=2", "actor.ppo_mini_batch_size=2",
-                "actor.optim.lr=1e-2", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
-                f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]",
-                f"trainer.parallel={parallel}", "trainer.save_freq=2",
-                "model.lora_save_merged=true", *LORA]
-
-    def metrics(run: Path) -> list[dict]:
-        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = tmp_path / "a", tmp_path / "b"
-    for run, extra in ((a, "trainer.total_steps=3"), (b, "trainer.total_steps=2")):
-        r = _launch(*args(run), extra)
-        assert r.returncode == 0, r.stderr[-3000:]
-    rows = metrics(b)
+    runs = lora_resume_runs[parallel]
+    a, b = runs["a"], runs["b"]
+    rows = runs["b_rows_at_2"]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["rollout/trajectories"] == 8 for row in rows)  # gathered from both ranks
     assert rows[1]["actor/kl"] > 0  # the adapted policy left the reference after step 1
@@ -150,12 +144,10 @@ def test_two_process_lora_run_resume_equals_uninterrupted(tmp_path, parallel):
     ids = torch.tensor([[1, 5, 9, 30, 2, 7]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, peft(input_ids=ids).logits, atol=1e-5)
-    r = _launch(*args(b), "trainer.total_steps=3", "trainer.resume=true")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [row["step"] for row in metrics(b)] == [1, 2, 3]
+    assert [row["step"] for row in _metrics(b)] == [1, 2, 3]
     for k in ["reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl",
               "rollout/tokens_decoded"]:
-        assert metrics(a)[2][k] == metrics(b)[2][k], k  # bit for bit on CPU
+        assert _metrics(a)[2][k] == _metrics(b)[2][k], k  # bit for bit on CPU
     sa = load_file(str(a / "global_step_3" / "adapter_model.safetensors"))
     sb = load_file(str(b / "global_step_3" / "adapter_model.safetensors"))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -222,26 +222,10 @@ def test_grpo_advantages_from_trajectories():
     assert adv[2] == pytest.approx([0.5 / (1 + 1e-6)], rel=1e-6)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _accelerate_launch(*args: str, timeout: float = 300):
-    import os
-    import subprocess
-    import sys
+    from two_procs import accelerate_launch
 
-    repo = Path(__file__).resolve().parents[2]
-    # a free port, not the config's: under `pytest -n 2` two launches can run at once
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-           str(repo / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           "--main_process_port", str(_free_port()), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return accelerate_launch(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
