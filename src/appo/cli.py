@@ -10,6 +10,9 @@ This is also the one place where the operating system's file errors become messa
 line naming the file, and a closed stdout (`appo ... | head`) ends the command quietly, as
 unix tools do. Bad command-line syntax is one line too (`AppoArgumentParser.error`), and
 options may come anywhere among the positional arguments (`appo train k=v --config f k=v`).
+
+Every sub-command's `--help` ends with examples (`appo.cli_examples`); `appo --version` prints
+the installed package's version.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import errno
 import importlib
 import os
 import sys
+import textwrap
 import traceback
 
+from appo.cli_examples import epilog
 from appo.errors import AppoError
 
 # Modules with a `register(subparsers)` function. Order = order in `appo --help`.
@@ -32,13 +37,38 @@ COMMAND_MODULES = [
     "appo.trainer.commands",
     "appo.eval.commands",
     "appo.compare.commands",
+    "appo.reference.commands",
 ]
+
+# Sub-commands that read a config (`add_config_args`) and take `--model SPEC` for
+# `model.path`, as `appo generate`, `rollout` and `eval` do. TODO(lead): the owners of
+# appo.trainer.commands may call `add_model_option` in its `register` instead of this table.
+MODEL_OPTION_COMMANDS = ("train", "sft")
+
+
+class AppoHelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that indented lines of a description or epilog (the
+    examples) stay as written instead of being joined into the paragraph."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        for block in text.split("\n"):
+            if block.startswith("  ") or not block.strip():
+                out.append(indent + block)
+            else:
+                out.append(textwrap.fill(" ".join(block.split()), width,
+                                         initial_indent=indent, subsequent_indent=indent))
+        return "\n".join(out)
 
 
 class AppoArgumentParser(argparse.ArgumentParser):
     """argparse with options anywhere and one-line errors; sub-commands inherit the class."""
 
     _intermixing = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", AppoHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         # argparse fills a `nargs="*"` positional (the overrides) once: overrides on both
@@ -66,10 +96,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train tool-using reasoning agents with ARPO / AEPO / APPO.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"appo {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    from appo.commands import add_model_option
+
+    for words, command in sub_commands(parser).items():
+        if words in MODEL_OPTION_COMMANDS:
+            add_model_option(command)
+        if command.epilog is None:
+            command.epilog = epilog(words)
     return parser
+
+
+def sub_commands(parser: argparse.ArgumentParser, words: str = ""
+                 ) -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser under `parser`, by its words (`search cache stats`),
+    parents before their children, in `--help` order."""
+    out: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                key = f"{words} {name}".strip()
+                out[key] = child
+                out.update(sub_commands(child, key))
+    return out
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own where it is not installed
+    (a source tree on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("appo")
+    except PackageNotFoundError:
+        import appo
+
+        return getattr(appo, "__version__", "unknown")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Core sub-commands: `appo config show`, `appo models`, `appo generate`.
+"""Core sub-commands: `appo config show`, `appo config explain`, `appo models`,
+`appo generate`.
 
 Also the shared argparse helpers other areas use for `[--config FILE] [key=value ...]`.
 Heavy imports happen inside handlers only.
@@ -51,6 +52,14 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """`--model SPEC` on a config-reading command: the same as the override `model.path=SPEC`
+    (given after the config file and before the dotted overrides, which still win)."""
+    parser.add_argument("--model", "-m", dest="model_path", metavar="SPEC", default=None,
+                        help="model spec: an alias (tiny-test, smollm2-135m), a HF directory, "
+                             "a .gguf file or a cached hub id (model.path)")
+
+
 def split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     """Separate `key=value` overrides from free positional text (e.g. a question)."""
     overrides = [i for i in items if "=" in i and " " not in i.split("=", 1)[0]]
@@ -62,7 +71,10 @@ def config_from_args(args: argparse.Namespace, extra_overrides: list[str] | None
     from appo.config import load_config
 
     overrides, _ = split_overrides(list(getattr(args, "overrides", []) or []))
-    return load_config(getattr(args, "config", None), overrides + (extra_overrides or []))
+    model = getattr(args, "model_path", None)
+    first = [f"model.path={model}"] if model else []
+    return load_config(getattr(args, "config", None),
+                       first + overrides + (extra_overrides or []))
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -102,6 +114,13 @@ def _config_show(args: argparse.Namespace) -> int:
             print(f"{key}:\n{body}", end="")
         else:
             print(OmegaConf.to_yaml({key: value}), end="")
+    return 0
+
+
+def _config_explain(args: argparse.Namespace) -> int:
+    from appo.reference.config_doc import explain
+
+    print("\n".join(explain(key) for key in args.keys), end="")
     return 0
 
 
@@ -170,13 +189,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("config", help="show the resolved configuration")
+    p = sub.add_parser("config", help="show the resolved configuration, explain a key")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = csub.add_parser("show", help="print the resolved config (defaults <- FILE <- overrides)")
     show.add_argument("items", nargs="*", metavar="[FILE] key=value",
                       help="a YAML config file and dotted overrides, in any order")
     show.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
     show.set_defaults(handler=_config_show)
+    explain = csub.add_parser(
+        "explain", help="what a key means: type, default, allowed values, verl's name",
+        description="Print a config key's entry of docs/reference/config.md; a section or "
+                    "group (actor, actor.optim) prints all of its keys.")
+    explain.add_argument("keys", nargs="+", metavar="KEY", help="a dotted config key")
+    explain.set_defaults(handler=_config_explain)
 
     p = sub.add_parser("models", help="list model aliases and what is cached")
     p.set_defaults(handler=_models)

@@ -15,6 +15,14 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from appo.config_schema_update import (
+    ActorConfig,
+    CriticConfig,
+    CriticModelConfig,
+    FSDPOffloadConfig,
+    OptimConfig,
+)
+
 __all__ = [
     "CHOICES", "LIST_CHOICES", "MISSING", "ActorConfig", "AlgorithmConfig", "AppoConfig",
     "CriticConfig", "CriticModelConfig",
@@ -29,9 +37,16 @@ class ModelConfig:
     # Any appo.models spec: an alias (smollm2-135m, tiny-test), a local HF directory,
     # a .gguf file, or a hub id already in the local Hugging Face cache.
     path: str = "smollm2-135m"
+    # Weights' dtype; bfloat16 trains float32 master weights with bfloat16 forwards
+    # (actor.fp32_master_weights). auto: bfloat16 on CUDA, else float32.
     dtype: str = "float32"
+    # auto: cuda when a GPU is available, else cpu.
     device: str = "auto"
+    # Recompute each layer's activations in the backward instead of keeping them: less
+    # memory, a slower update.
     enable_gradient_checkpointing: bool = False
+    # Let a Hugging Face model directory run its own modelling code (transformers'
+    # trust_remote_code).
     trust_remote_code: bool = False
     # LoRA through PEFT (appo.models.lora), verl's keys: lora_rank 0 trains every weight
     # (full fine-tuning); > 0 trains a rank-r adapter on target_modules ("all-linear": every
@@ -40,9 +55,13 @@ class ModelConfig:
     # sample from merged weights. Checkpoints hold the adapter in PEFT's format, plus a
     # merged Hugging Face model in `merged/` when lora_save_merged is true.
     lora_rank: int = 0
+    # LoRA scale numerator: the adapter's output is scaled by lora_alpha / lora_rank.
     lora_alpha: float = 16.0
+    # The modules a LoRA adapter wraps: "all-linear" or a list of module names.
     target_modules: Any = "all-linear"
+    # Dropout on the LoRA adapter's input during training.
     lora_dropout: float = 0.0
+    # Checkpoints of a LoRA run also hold the merged Hugging Face model in `merged/`.
     lora_save_merged: bool = False
 
 
@@ -51,22 +70,35 @@ class DataConfig:
     # Files (parquet / jsonl / HF datasets dir) or a synthetic task spec such as
     # "synth:arith?levels=2,3&n=512" (see appo.data).
     train_files: list[str] = field(default_factory=lambda: ["synth:arith"])
+    # Held-out data for training-time validation (trainer.test_freq,
+    # trainer.val_before_train); same forms as train_files.
     val_files: list[str] = field(default_factory=lambda: ["synth:arith?split=eval"])
+    # The column holding the prompt (a chat list, or a question string) in file data.
     prompt_key: str = "prompt"
+    # The prompt template (appo.data.templates): the system prompt naming the tools and the
+    # answer format.
     template: str = "math"
     # Append APPO's paragraph asking the model to mark its reasoning stages with
     # <|extra_0|>...<|extra_1|> to every system prompt, as the original APPO rollout did
     # (appo.data.templates.APPO_STAGE_PROMPT); the published APPO configs turn it on.
     appo_stage_prompt: bool = False
+    # Prompts per RL step; each is rolled out into rollout.n trajectories.
     train_batch_size: int = 4
     # Held-out prompts rolled out at once by training-time evaluation (validation, the
     # demo's stages): their KV cache lives together, so this bounds evaluation's memory
     # (32: the demo's training rollout holds as many rows; benchmarks/RESULTS.md).
     val_batch_size: int = 32
+    # Prompt tokens allowed (after the chat template); longer prompts go by data.overlong.
     max_prompt_length: int = 512
+    # Response tokens per trajectory (model and tool-result tokens together); a row is cut
+    # there.
     max_response_length: int = 384
+    # A prompt over max_prompt_length: skip (drop it, counted) or fail (stop with an error
+    # naming it).
     overlong: str = "skip"
+    # Shuffle the training prompts each epoch (with data.seed).
     shuffle: bool = True
+    # Seed of the prompt order and of synthetic tasks.
     seed: int = 42
 
 
@@ -76,33 +108,61 @@ class RolloutConfig:
     # auto: vllm where it is installed and finishes this run's rollouts sooner, else hf
     # (appo.rollout.auto: measured rule table, vLLM's start-up counted on CPU)
     name: str = "hf"
+    # How trajectories are sampled: grpo (n independent rows), arpo (entropy-triggered
+    # branching after tool calls), aepo (arpo with entropy pre-monitoring and branch
+    # penalty), appo (tree search over branch points); docs/algorithms.md §2.
     strategy: str = "arpo"
     n: int = 16  # the ARPO paper (docs/algorithms.md §2.2); the CPU demo uses 8
+    # arpo/aepo/appo: rows started per prompt before branching fills the group up to n.
     initial_rollouts: int = 8
+    # Branches tried per row at a branch point (up to beam_size - 1 copies;
+    # docs/algorithms.md arpo.4).
     beam_size: int = 2
+    # arpo: base probability of branching after a tool result, raised by entropy_weight
+    # times the entropy rise.
     branch_probability: float = 0.5
+    # arpo: how much a rise of the segment's entropy over the row's initial entropy raises
+    # the branch probability.
     entropy_weight: float = 0.2
+    # Tokens over which a segment's entropy is measured (arpo.2).
     entropy_window: int = 20
     # The original's measure (top-10 proxy summed over the window / ln|V|): the scale
     # entropy_weight and AEPO's beta were tuned on (docs/algorithms.md arpo.2); `mean`:
     # mean full-vocabulary token entropy.
     entropy_measure: str = "seed_topk_sum"
+    # Sampling temperature of training rollouts (0: greedy).
     temperature: float = 1.0
+    # Nucleus sampling mass (1: off).
     top_p: float = 1.0
+    # Sample from the k most likely tokens (-1 or 0: off).
     top_k: int = -1
+    # Penalty on tokens already in the context (1: off).
     repetition_penalty: float = 1.0
+    # How a tool result is appended to the response ({text}: the result), in the tags
+    # format.
     result_template: str = " <result>\n{text}\n</result>"
+    # A tool call past tools.call_limit: notify (not run, the model is told the limit is
+    # reached) or stop (the row ends, the original's behaviour).
     on_limit: str = "notify"
-    # aepo
-    # Entropy pre-monitoring and m = f(H_root - H_tool) initial rows (aepo.1-2). Off: fixed
+    # aepo: entropy pre-monitoring and m = f(H_root - H_tool) initial rows (aepo.1-2). Off: fixed
     # initial_rollouts with the AEPO branch rule and penalty, as both released AEPO scripts ran.
     enable_dynamic_rollouts: bool = True
+    # aepo: tokens sampled for the entropy pre-monitoring before the initial rows are
+    # chosen.
     initial_entropy_tokens: int = 50
+    # aepo: how strongly the root-vs-tool entropy gap sets the number of initial rows
+    # (aepo.1-2).
     beta: float = 0.5
+    # aepo: lowers the branch probability of a row for each branch already taken from it
+    # (aepo.3).
     branch_penalty: float = 0.05
+    # aepo: keep the pre-monitoring trajectory as one of the initial rows (appo's option).
     reuse_premonitor: bool = False
-    # appo
+    # appo: discount of the log-ratio sum behind the future value that ranks branch points
+    # (appo.2).
     appo_gamma: float = 1.0
+    # appo: the future value is clipped to [1 - future_value_clip, 1 + future_value_clip]
+    # (appo.2).
     future_value_clip: float = 0.2
     # Branch points: the original excludes whitespace-only tokens; true also excludes
     # punctuation-only ones (appo's option, docs/algorithms.md appo.3).
@@ -112,7 +172,7 @@ class RolloutConfig:
     # scoring model's dtype (float32 1e-3, float16 0.25, bfloat16 2.0: measured recompute
     # noise times 5-25; appo.rollout.scoring.LR_NOISE_TOL).
     lr_noise_tol: float | None = None
-    # vllm engine
+    # vllm engine: share of the GPU's memory the engine may take (weights and KV cache).
     gpu_memory_utilization: float = 0.7
     # KV cache size in GiB (vLLM's kv_cache_memory_bytes); null: 2 on CPU (vLLM would
     # otherwise reserve most of the RAM), gpu_memory_utilization decides on GPUs
@@ -122,9 +182,16 @@ class RolloutConfig:
     # weights_dir (null: <trainer.default_local_dir>/rollout_weights), which every server
     # must be able to read, and each server reloads it (vLLM dev mode)
     base_urls: list[str] = field(default_factory=list)
+    # openai engine: where the policy is saved after each update for the servers to reload;
+    # null: <trainer.default_local_dir>/rollout_weights.
     weights_dir: str | None = None
+    # vllm engine: GPUs one engine spans (tensor parallelism).
     tensor_model_parallel_size: int = 1
+    # vllm engine: reuse the KV cache of shared prefixes (a group's prompt, a branch's
+    # parent) across requests.
     enable_prefix_caching: bool = True
+    # The rollout engine's base sampling seed (appo rollout --seed); training steps seed
+    # their rollouts from trainer.seed and the step.
     seed: int = 0
     # vllm engine: sleep between rollouts (verl's key): after a rollout the engine offloads
     # its weights to CPU and frees its KV cache (vLLM sleep level 1); before the next it
@@ -140,7 +207,9 @@ class RolloutConfig:
 
 @dataclass
 class ToolInstanceConfig:
+    # The tool's class, importable (module.Class), e.g. appo.tools.python_tool.PythonTool.
     class_path: str = MISSING
+    # Keyword arguments for the tool's class.
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -150,12 +219,20 @@ def _default_tools() -> dict[str, ToolInstanceConfig]:
 
 @dataclass
 class ToolsConfig:
+    # Tool calls allowed per trajectory; a call past it goes by rollout.on_limit.
     call_limit: int = 3
+    # Tool calls run in parallel (threads) within a rollout round.
     max_workers: int = 8
+    # Seconds one tool call may run before it is stopped (its result then says so).
     timeout: float = 30.0
+    # Retries of a tool call that failed or returned nothing.
     retry_count: int = 1
+    # A tool that cannot be built stops the run; false: it is left out with a warning.
     fail_on_error: bool = False
+    # Accepted as the original configs pass it; appo does not read it.
     verbose_logging: bool = False
+    # The tools a run can use, by name: each a class_path and params (default: the python
+    # sandbox).
     tool_instances: dict[str, ToolInstanceConfig] = field(default_factory=_default_tools)
     # Which tool_instances a run uses (None = all of them; [] = no tools at all).
     enabled: list[str] | None = None
@@ -167,8 +244,14 @@ class ToolsConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # How advantages are computed from rewards: grpo, rloo, reinforce_plus_plus (group
+    # baselines), appo (tree credit), gae (a value model: the critic section);
+    # docs/algorithms.md §3.
     adv_estimator: str = "grpo"
+    # Divide group-relative advantages by the group's standard deviation (false: Dr.GRPO).
     norm_adv_by_std: bool = True
+    # appo estimator: give initial rows a discounted share of their branches' credit
+    # (reward_scale_discount).
     appo_discount_credit: bool = False
     # APPO branch-credit discount (with appo_discount_credit); the original reads it here.
     reward_scale_discount: float = 0.9
@@ -176,135 +259,33 @@ class AlgorithmConfig:
     # decision token (tool-result tokens are skipped), verl's defaults; gae_whiten whitens
     # the advantages over the batch's loss-mask tokens, as verl always does.
     gamma: float = 1.0
+    # GAE lambda (gae estimator).
     lam: float = 1.0
+    # Whiten GAE advantages over the batch's loss-mask tokens.
     gae_whiten: bool = True
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps_ratio: float = 0.0
-    lr_scheduler: str = "constant"
-
-
-@dataclass
-class FSDPOffloadConfig:
-    # verl's `fsdp_config` offload switches (actor.fsdp_config.*), for FSDP2's
-    # CPUOffloadPolicy under trainer.parallel=fsdp: parameters (and their gradients) on the
-    # CPU between uses; the AdamW states on the CPU. TODO(lead): wire in appo.trainer.fsdp;
-    # until then accepted as the original scripts pass them (false) and not acted on.
-    param_offload: bool = False
-    optimizer_offload: bool = False
-
-
-@dataclass
-class ActorConfig:
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    # AEPO
-    entropy_balanced_advantage: bool = False
-    entropy_advantage_alpha: float = 0.2
-    entropy_clip_scope: str = "all"
-    # APPO / FIPO future-KL loss
-    future_kl_decay_rate: float = 64.0
-    future_kl_clip_high: float = 1.2
-    future_kl_clip_high_only: bool = True
-    future_kl_safety_thresh: float = 6.0
-    future_kl_coef: float = 1.0
-    # The original's sequence filter: a response with more than one dual-clip hit (A < 0 and
-    # the clipped loss above -A c) leaves the loss and its normaliser (docs/algorithms.md §4.3).
-    future_kl_seq_filter: bool = True
-    # Update schedule
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 16
-    ppo_max_token_len_per_device: int = 4096
-    # A memory target (GB) for the update: when set, the micro-batch token budget above is
-    # derived from it at start-up (appo.trainer.memory: resident memory, gradients and AdamW
-    # states to come, activation bytes per token measured on the model) and replaces it.
-    max_memory_gb: float | None = None
-    # CPU, with max_memory_gb unset: the update's activations get at most this many GB, so
-    # the token budget above shrinks for models whose activations per token are large (the
-    # same probe; figures in benchmarks/RESULTS.md). Only the micro-batch split changes
-    # (the loss is split-invariant up to rounding). null: off.
-    activation_memory_gb: float | None = 1.25
-    # Llama-family SwiGLU MLPs save only their gate and up projections for the backward and
-    # recompute silu(gate) * up there (appo.trainer.memory): the same gradients, about a
-    # quarter less activation memory. Off: the modules' own autograd.
-    lean_mlp_activations: bool = True
-    # CPU: grouped-query attention through SDPA's own `enable_gqa` instead of transformers'
-    # `repeat_kv` expansion under a mask (appo.models.sdpa_gqa; per model, no environment
-    # variable): the same forward values, gradients to rounding, fewer saved activations.
-    sdpa_gqa: bool = True
-    # Outside FSDP, no [V, D] gradient temporary in the update's backward: the LM head adds
-    # its weight's gradient into the allocated .grad chunk by chunk, and the input embedding
-    # hands back sparse rows that autograd adds into it (appo.trainer.memory). The same
-    # gradients summed in another order; with tied embeddings autograd would hold the
-    # head's [V, D] gradient until the backward's end. Off: autograd's usual tensors.
-    grads_in_place: bool = True
-    logprob_chunk_size: int = 128
-    # Compute a micro-batch's common prefix (a group's prompt) once in the update forward;
-    # exact, and ~n times fewer prompt tokens for groups of n. Off: plain padded forward.
-    share_prefix_forward: bool = True
-    # With share_prefix_forward: compute the micro-batch's whole token trie once (ARPO/AEPO
-    # branches share their parent's response up to the branch point; found from the token
-    # ids, any strategy), one model call per trie level. Exact (docs/architecture.md).
-    tree_forward: bool = False
-    # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
-    # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
-    freeze_embeddings: bool = False
-    grad_clip: float = 1.0
-    # With model.dtype bfloat16: keep the trained weights and AdamW states in float32 and
-    # run the training forwards in bfloat16 (autocast), as verl's FSDP actor does; the
-    # rollout engine (vllm) still runs in bfloat16. False: train the bfloat16 weights in
-    # place (small updates such as lr 1e-6 steps then mostly round away).
-    fp32_master_weights: bool = True
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp_config: FSDPOffloadConfig = field(default_factory=FSDPOffloadConfig)
-
-
-@dataclass
-class CriticModelConfig:
-    # Any appo.models spec for the value model's backbone; null: model.path (the policy's).
-    path: str | None = None
-
-
-@dataclass
-class CriticConfig:
-    """The value model of algorithm.adv_estimator=gae (built only then): a backbone with a
-    fresh scalar head, trained with verl's clipped value loss after each rollout."""
-
-    model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    cliprange_value: float = 0.5
-    # null: the actor's value (actor.ppo_epochs, actor.ppo_mini_batch_size, ...)
-    ppo_epochs: int | None = None
-    ppo_mini_batch_size: int | None = None
-    ppo_max_token_len_per_device: int | None = None
-    grad_clip: float = 1.0
-
-
-@dataclass
 class TrainerConfig:
+    # Passes over the training prompts (when total_steps is null).
     total_epochs: int = 1
+    # RL steps to run; null: total_epochs passes over the data.
     total_steps: int | None = None
+    # Save a checkpoint every this many steps (-1 or 0: only at the end).
     save_freq: int = -1
+    # Validate on data.val_files every this many steps (-1 or 0: off).
     test_freq: int = -1
+    # Validate once before the first step (logged as step 0).
     val_before_train: bool = False
     # The run directory (checkpoints, metrics.jsonl). null: a new runs/appo-YYYYmmdd-HHMMSS
     # per run. A new run refuses a non-empty directory unless overwrite=true (which deletes
     # the old run there); resume=true continues the run in it (appo.trainer.rundir).
     default_local_dir: str | None = None
+    # Write each step's trajectories to <dir>/step_N.jsonl (null: off).
     rollout_data_dir: str | None = None
+    # Continue the run in default_local_dir from its last checkpoint.
     resume: bool = False
+    # A new run may delete an old run in default_local_dir (or sft.output_dir).
     overwrite: bool = False
     # Checkpoints as each rank's shards (torch.distributed.checkpoint) instead of whole
     # states gathered on rank 0: for models whose whole float32 weights and AdamW states do
@@ -319,6 +300,7 @@ class TrainerConfig:
     # then maps fresh zeroed pages: the update takes ~30% longer (benchmarks/RESULTS.md), so
     # it is an option (the demo sets it). null: glibc's default.
     mmap_threshold_kb: int | None = None
+    # Where metrics go: console, jsonl (metrics.jsonl), tensorboard, wandb.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
     # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
@@ -326,24 +308,42 @@ class TrainerConfig:
     # On CUDA the trainer plans its memory per GPU at start-up (appo.trainer.plan_run, as
     # `appo plan` prints it) and refuses a run predicted not to fit; true starts it anyway.
     skip_memory_plan: bool = False
+    # Accepted as verl's configs pass it; appo does not read it (wandb's project:
+    # WANDB_PROJECT).
     project_name: str = "appo"
+    # The run's name for wandb.
     experiment_name: str = "default"
+    # Seed of the run: torch and Python's random at start-up (a LoRA adapter's or a critic
+    # head's initialisation), and each RL step's rollout seed (with the step number).
     seed: int = 42
 
 
 @dataclass
 class SFTConfig:
+    # Trajectories to imitate: files or a synthetic spec (appo.data.sft).
     train_files: list[str] = field(default_factory=lambda: ["synth:arith?split=sft"])
+    # Held-out trajectories; their loss is logged as sft/eval_loss.
     val_files: list[str] = field(default_factory=list)
+    # Tokens per example; a longer one is skipped (counted) or, with data.overlong=fail,
+    # stops the run.
     max_length: int = 1024
+    # Leave tool-result tokens out of the loss (the original trained on them).
     mask_tool_results: bool = True
+    # Passes over the training examples (when max_steps is null).
     epochs: int = 1
+    # Examples per batch.
     batch_size: int = 8
+    # Batches per optimizer step.
     gradient_accumulation_steps: int = 1
+    # AdamW learning rate.
     lr: float = 5e-5
+    # AdamW weight decay.
     weight_decay: float = 0.0
+    # Share of the optimizer steps with a linear learning-rate warm-up.
     warmup_ratio: float = 0.1
+    # Clip the gradient's global norm to this (inf: no clipping).
     grad_clip: float = 1.0
+    # Save a checkpoint every this many optimizer steps (-1 or 0: only at the end).
     save_freq: int = -1
     max_steps: int | None = None  # stop after this many optimizer steps (None: all epochs)
     output_dir: str | None = None  # null: a new runs/sft-YYYYmmdd-HHMMSS (as trainer.*)
@@ -355,23 +355,38 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    # The original evaluation's sampling defaults (docs/algorithms.md §8.1).
+    # Answers sampled per question (pass@k). The sampling defaults below are the original
+    # evaluation's (docs/algorithms.md §8.1).
     k: int = 1
+    # Sampling temperature (0: greedy).
     temperature: float = 0.6
+    # Nucleus sampling mass.
     top_p: float = 0.95
+    # Sample from the k most likely tokens (-1 or 0: off).
     top_k: int = 20
+    # Penalty on tokens already in the context (1: off).
     repetition_penalty: float = 1.1
+    # Response tokens per answer.
     max_response_length: int = 1024
+    # Tool calls allowed per answer, by tool name.
     tool_call_limits: dict[str, int] = field(default_factory=lambda: {"python": 5, "search": 10})
+    # An OpenAI-compatible server to evaluate (appo eval --base-url); null: the model in-
+    # process.
     base_url: str | None = None
+    # An OpenAI-compatible server of the LLM judge for QA benchmarks; null: no judge.
     judge_base_url: str | None = None
+    # The judge's model name on that server.
     judge_model: str | None = None
+    # Where appo eval writes its per-benchmark results.
     out_dir: str = "runs/eval"
 
 
 @dataclass
 class CustomRewardConfig:
+    # A Python file with your reward function; null: the built-in reward of each row's
+    # data_source.
     path: str | None = None
+    # The function's name in that file.
     name: str = "compute_score"
 
 
