@@ -226,3 +226,33 @@ def test_metrics_page_covers_a_one_step_training(tmp_path):
                      "actor/entropy_adv_factor_mean"):  # the switches above took effect
         assert expected in keys
     assert undocumented_metrics(keys, METRICS_PAGE.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize("asked, first, appo_key", [
+    ("actor_rollout_ref.actor.clip_ratio_high", "is appo's actor.clip_ratio_high",
+     "actor.clip_ratio_high"),
+    ("actor.ppo_max_token_len_per_gpu", "is appo's actor.ppo_max_token_len_per_device",
+     "actor.ppo_max_token_len_per_device"),
+    ("actor_rollout_ref.rollout.tools.call_limit", "is appo's tools.call_limit",
+     "tools.call_limit"),
+    ("actor.use_dynamic_bsz", "is accepted and has no effect", None),
+    ("actor.ppo_micro_batch_size_per_gpu", "is verl's, not appo's", None),
+])
+def test_config_explain_reads_verl_names(capsys, asked, first, appo_key):
+    assert main(["config", "explain", asked]) == 0
+    out = capsys.readouterr().out
+    head, _, rest = out.partition("\n")
+    assert head.startswith(asked) and first in head
+    keys = config_doc.all_keys()
+    assert rest == ("\n" + config_doc.entry_text(keys[appo_key]) if appo_key else "")
+
+
+def test_config_explain_mapping_entry_and_unknown_verl_name(capsys):
+    assert main(["config", "explain", "eval.tool_call_limits.python"]) == 0
+    assert capsys.readouterr().out == config_doc.entry_text(
+        config_doc.all_keys()["eval.tool_call_limits"])
+    assert main(["config", "explain", "actor_rollout_ref.actor.clip_ratio_hig"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith("error: actor_rollout_ref.actor.clip_ratio_hig (verl's name")
+    assert "actor.clip_ratio_high" in err

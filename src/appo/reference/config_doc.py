@@ -256,10 +256,44 @@ def entry_text(d: KeyDoc, width: int = 88) -> str:
     return "\n".join(head + [body]) + "\n"
 
 
+def _verl_note(key: str) -> tuple[str, str] | None:
+    """(note, appo key) for a name in verl's spelling; (note, "") where appo has no key."""
+    v = config_verl
+    if key in v.RENAMED:
+        return f"{key} (verl's name) is appo's {v.RENAMED[key]}", v.RENAMED[key]
+    if key in v.NO_OPS:
+        return f"{key} (verl's) is accepted and has no effect: {v.NO_OPS[key]}", ""
+    if key in v.REFUSED:
+        return f"{key} is verl's, not appo's: {v.REFUSED[key]}", ""
+    if key.startswith(v.PREFIX):
+        appo_key = key.removeprefix(v.PREFIX).replace("rollout.tools.", "tools.", 1)
+        inner = _verl_note(appo_key)
+        if inner is not None:
+            return inner
+        return f"{key} (verl's name) is appo's {appo_key}", appo_key
+    return None
+
+
 def explain(key: str) -> str:
     """The entry of `key`, or of every key of a section or group (`actor`, `actor.optim`);
-    an unknown key is one `AppoError` line naming the nearest keys."""
+    an entry of a mapping (`eval.tool_call_limits.python`) gives the mapping's; verl's
+    names say appo's. An unknown key is one `AppoError` line naming the nearest keys."""
     keys = all_keys()
+    verl = _verl_note(key)
+    if verl is not None:
+        note, appo_key = verl
+        if not appo_key:
+            return note + "\n"
+        try:
+            return f"{note}\n\n{explain(appo_key)}"
+        except AppoError as e:  # the verl name of a key appo lacks: name what was asked
+            raise AppoError(f"{key} (verl's name, appo's {appo_key!r}): {e}") from None
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 1, -1):
+        head = ".".join(parts[:i])
+        if head in keys and keys[head].type.startswith("dict") and not key.startswith(
+                "tools.tool_instances."):
+            return entry_text(keys[head])
     pattern = ".".join(ANY_NAME if i == 2 and key.startswith("tools.tool_instances.") else p
                        for i, p in enumerate(key.split(".")))
     if pattern in keys:
