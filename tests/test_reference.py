@@ -256,3 +256,32 @@ def test_config_explain_mapping_entry_and_unknown_verl_name(capsys):
     assert "\n" not in err
     assert err.startswith("error: actor_rollout_ref.actor.clip_ratio_hig (verl's name")
     assert "actor.clip_ratio_high" in err
+
+
+def test_config_show_comments_keep_the_data(capsys):
+    assert main(["config", "show"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["config", "show", "--comments"]) == 0
+    commented = capsys.readouterr().out
+    assert yaml.safe_load(commented) == yaml.safe_load(plain)
+    lines = commented.splitlines()
+    keys = config_doc.all_keys()
+    # each documented key's line comes right after the last line of its meaning
+    at = lines.index("  clip_ratio_high: 0.2")
+    assert lines[at - 1].strip() == "# " + keys["actor.clip_ratio_high"].meaning
+    assert lines[lines.index("  max_steps: null") - 1].lstrip().startswith("#")
+    assert sum(line.lstrip().startswith("#") for line in lines) > len(keys)
+
+
+def test_comments_never_land_inside_a_folded_string():
+    from appo.config import load_config, to_yaml
+
+    cfg = load_config()
+    # a leading space makes to_yaml fold the string over lines in single quotes; one of
+    # them reads like a key (`max_workers:`), one level below result_template
+    cfg.rollout.result_template = " it is\nmax_workers: fake\n{text}\n"
+    text = to_yaml(cfg)
+    assert "\n    max_workers: fake\n" in text
+    annotated = config_doc.annotate_yaml(text)
+    assert yaml.safe_load(annotated) == yaml.safe_load(text)
+    assert yaml.safe_load(annotated)["rollout"]["result_template"] == cfg.rollout.result_template

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "config show": ("appo config show configs/demo.yaml rollout.n=8",
-                    "appo config show actor.optim"),
+                    "appo config show actor.optim", "appo config show --comments"),
     "config explain": ("appo config explain actor.clip_ratio_high", "appo config explain sft"),
     "models": ("appo models",),
     "generate": ('appo generate --model tiny-test --max-new-tokens 16 "What is 17*23?"',),

@@ -106,7 +106,12 @@ def _config_show(args: argparse.Namespace) -> int:
         raise AppoError(f"give one config file, got {len(files)}: {', '.join(files)}")
     cfg = load_config(files[0] if files else None, overrides)
     if not keys:
-        print(to_yaml(cfg), end="")
+        text = to_yaml(cfg)
+        if args.comments:
+            from appo.reference.config_doc import annotate_yaml
+
+            text = annotate_yaml(text)
+        print(text, end="")
     for key in keys:
         value = OmegaConf.select(cfg, key)
         if OmegaConf.is_config(value):
@@ -195,6 +200,8 @@ def register(sub) -> None:
     show.add_argument("items", nargs="*", metavar="[FILE] key=value",
                       help="a YAML config file and dotted overrides, in any order")
     show.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
+    show.add_argument("--comments", action="store_true",
+                      help="each key's meaning as a comment above it (appo config explain)")
     show.set_defaults(handler=_config_show)
     explain = csub.add_parser(
         "explain", help="what a key means: type, default, allowed values, verl's name",

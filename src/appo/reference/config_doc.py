@@ -18,6 +18,7 @@ import difflib
 import inspect
 import io
 import json
+import re
 import textwrap
 import tokenize
 from dataclasses import asdict, dataclass, fields, is_dataclass
@@ -309,5 +310,32 @@ def explain(key: str) -> str:
     raise AppoError(f"no config key {key!r}{hint}")
 
 
-__all__ = ["KeyDoc", "SectionDoc", "all_keys", "explain", "render_markdown", "sections",
+_KEY_LINE = re.compile(r"^( *)([A-Za-z0-9_@-]+):(?: .*)?$")
+
+
+def annotate_yaml(text: str, width: int = 88) -> str:
+    """A resolved config's YAML (`to_yaml`) with each key's meaning as a comment above it
+    (`appo config show --comments`); the data is unchanged. A string that `to_yaml` folds
+    over several lines continues one level deeper than its key, where no key is documented,
+    so no comment lands inside it."""
+    keys = all_keys()
+    out: list[str] = []
+    path: list[str] = []
+    for line in text.splitlines():
+        m = _KEY_LINE.match(line)
+        if m is not None:
+            depth = len(m.group(1)) // 2
+            path[depth:] = [m.group(2)]
+            key = ".".join(path)
+            pattern = ".".join(ANY_NAME if i == 2 and key.startswith("tools.tool_instances.")
+                               else p for i, p in enumerate(path))
+            doc = keys.get(key) or keys.get(pattern)
+            if doc is not None and doc.meaning:
+                out += textwrap.wrap(doc.meaning, width, initial_indent=m.group(1) + "# ",
+                                     subsequent_indent=m.group(1) + "# ")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["annotate_yaml", "KeyDoc", "SectionDoc", "all_keys", "explain", "render_markdown", "sections",
            "verl_name"]
