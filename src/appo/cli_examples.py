@@ -27,6 +27,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "data check-template": ("appo data check-template --model tiny-test --format hermes",),
     "rollout": ('appo rollout --model tiny-test rollout.n=4 data.max_prompt_length=1024 '
                 '"What is 17*23?"',),
+    "export": ("appo export runs/appo-20260101-120000/global_step_20 exported/",),
     "plan": ("appo plan configs/arpo_qwen2.5_7b_reasoning.yaml --gpus 8",),
     "sft": ("appo sft --model tiny-test sft.max_steps=2",),
     "train": ("appo train --model tiny-test trainer.total_steps=2 data.max_prompt_length=1024",
