@@ -25,15 +25,17 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "data synth": ("appo data synth arith --n 64 --out arith.jsonl",),
     "data inspect": ("appo data inspect examples/reverse_train.jsonl --model tiny-test",),
     "data check-template": ("appo data check-template --model tiny-test --format hermes",),
-    "rollout": ('appo rollout --model tiny-test rollout.n=4 data.max_prompt_length=1024 '
-                '"What is 17*23?"',),
+    "rollout": ('appo rollout --model tiny-test rollout.n=4 rollout.initial_rollouts=2 '
+                'data.max_prompt_length=1024 "What is 17*23?"',),
     "export": ("appo export runs/appo-20260101-120000/global_step_20 exported/",),
     "plan": ("appo plan configs/arpo_qwen2.5_7b_reasoning.yaml --gpus 8",),
     "sft": ("appo sft --model tiny-test sft.max_steps=2",),
-    "train": ("appo train --model tiny-test trainer.total_steps=2 data.max_prompt_length=1024",
-              "appo train --config examples/tutorial.yaml"),
+    "train": ("appo train --config examples/tutorial.yaml",
+              "appo train --model tiny-test trainer.total_steps=1 rollout.n=4 "
+              "rollout.initial_rollouts=2 data.max_prompt_length=1024 "
+              "data.max_response_length=64"),
     "demo": ("appo demo", "appo demo --print-config"),
-    "eval": ("appo eval --model tiny-test --data arith=synth:arith?split=eval --limit 8",),
+    "eval": ("appo eval --model tiny-test --data 'arith=synth:arith?split=eval' --limit 8",),
     "view": ("appo view runs/eval/arith/trajectories.jsonl --model tiny-test",),
     "compare": ("appo compare spec.yaml --dry-run",),
 }
