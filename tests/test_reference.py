@@ -285,3 +285,7 @@ def test_comments_never_land_inside_a_folded_string():
     annotated = config_doc.annotate_yaml(text)
     assert yaml.safe_load(annotated) == yaml.safe_load(text)
     assert yaml.safe_load(annotated)["rollout"]["result_template"] == cfg.rollout.result_template
+
+
+def test_table_cells_escape_pipes_and_tags_outside_code():
+    assert config_doc._md("a | b <result> `x <y> | z`") == "a \\| b &lt;result> `x <y> \\| z`"

@@ -192,7 +192,10 @@ def all_keys() -> dict[str, KeyDoc]:
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+    """Text for a table cell: `|` escaped, and `<` too outside code spans, where Markdown
+    would take `<result>` or `<dir>` for an HTML tag and hide it."""
+    parts = text.replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
 
 
 HEADER = """\
