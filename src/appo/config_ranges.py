@@ -76,6 +76,8 @@ SEED = at_least(0)
 LR = within(0.0, 1e30, "0 keeps the weights fixed")
 CLIP = above(0.0, "inf: no clipping", inf_ok=True)
 FREQ = at_least(-1, "-1 or 0: off")
+# a save frequency of -1 or 0 still saves once, at the end of the run
+SAVE_FREQ = at_least(-1, "-1 or 0: only at the end")
 GB = above(0.0, "or null")
 TOP_K = at_least(-1, "-1 or 0: off")
 TEMPERATURE = at_least(0.0, "0 is greedy")
@@ -157,7 +159,7 @@ RANGES: dict[str, Range] = {
     # trainer
     "trainer.total_epochs": at_least(1, "a run of no steps trains nothing"),
     "trainer.total_steps": at_least(1, "a run of no steps trains nothing"),
-    "trainer.save_freq": FREQ,
+    "trainer.save_freq": SAVE_FREQ,
     "trainer.test_freq": FREQ,
     "trainer.mmap_threshold_kb": at_least(0),
     "trainer.seed": SEED,
@@ -170,7 +172,7 @@ RANGES: dict[str, Range] = {
     "sft.weight_decay": at_least(0.0),
     "sft.warmup_ratio": PROB,
     "sft.grad_clip": CLIP,
-    "sft.save_freq": FREQ,
+    "sft.save_freq": SAVE_FREQ,
     "sft.max_steps": at_least(1, "0 trains nothing; null: all epochs"),
     "sft.max_tokens_per_micro_batch": COUNT,
     # eval
