@@ -25,6 +25,11 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     init_process_group()
     rank = torch.distributed.get_rank()
+    # This rank's own temp dir, watched for files a sync writes: the machine's /tmp also gets
+    # other processes' files (another launch's torchelastic_* dir failed the check once).
+    private_tmp = out / f"tmp{rank}"
+    private_tmp.mkdir()
+    tempfile.tempdir = str(private_tmp)
     cfg = load_config(overrides=["model.path=smollm2-135m", "rollout.name=vllm",
                                  "rollout.kv_cache_gib=0.5", "data.max_prompt_length=448",
                                  "data.max_response_length=64", f"rollout.seed={rank}"])

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_train_run import HANG_TIMEOUT_S
 
 pytestmark = pytest.mark.vllm
 HERE = Path(__file__).resolve().parent
@@ -26,7 +27,7 @@ def test_two_ranks_each_stream_their_policy_into_their_own_engine(tmp_path):
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
            str(HERE / "colocate_worker.py"), str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for layout in ("whole", "fsdp"):
         ranks = [json.loads((tmp_path / f"{layout}{i}.json").read_text()) for i in (0, 1)]

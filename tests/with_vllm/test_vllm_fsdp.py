@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_train_run import LOGP_TOL, TRAIN_ARGS, rollout_errors
+from vllm_train_run import HANG_TIMEOUT_S, LOGP_TOL, TRAIN_ARGS, rollout_errors
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,8 @@ def launch(out: Path, *extra: str) -> subprocess.CompletedProcess:
            f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'rollouts'}",
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=2400)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          timeout=HANG_TIMEOUT_S)
 
 
 def test_fsdp_ranks_stream_from_the_shards_after_an_update_and_a_resume(tmp_path):

@@ -54,6 +54,8 @@ from appo.tools.search_tool import SearchTool
 pytestmark = pytest.mark.vllm
 
 TOL = 1e-3
+# One request's bound: it catches a server that hangs, not a slow (loaded) machine.
+REQUEST_TIMEOUT_S = 900
 GREEDY = ["eval.temperature=0", "eval.top_p=1.0", "eval.top_k=0",
           "eval.repetition_penalty=1.0"]
 MAX_RESPONSE = 64
@@ -66,7 +68,7 @@ SCORED_TEXT = ("The capital of France is Paris. The capital of Germany is Berlin
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
         return json.loads(r.read())
 
 
@@ -131,7 +133,7 @@ def test_engine_keeps_the_token_that_completes_a_stop_string(vllm_server, tokeni
     else:
         pytest.fail(f"no token of 3+ characters in the greedy continuation {free['text']!r}")
     engine = OpenAICompletionsEngine(vllm_server.url, tokenizer, model=vllm_server.model,
-                                     logprobs=1, client=JsonClient(timeout=300, retries=0))
+                                     logprobs=1, client=JsonClient(timeout=REQUEST_TIMEOUT_S, retries=0))
     engine.set_stop_strings([stop])
     row = engine.add_row(prompt)
     [out] = engine.decode([row], [30], SamplingParams(temperature=0.0))
@@ -197,7 +199,7 @@ def test_tool_loop_on_the_server_matches_the_hf_engine(vllm_server, tokenizer):
         return traj, tools.calls
 
     remote = OpenAICompletionsEngine(vllm_server.url, tokenizer, model=vllm_server.model,
-                                     logprobs=1, client=JsonClient(timeout=300, retries=0))
+                                     logprobs=1, client=JsonClient(timeout=REQUEST_TIMEOUT_S, retries=0))
     traj, calls = run(remote)
     assert calls and calls[0] == "print(6*7)", tokenizer.decode(traj.response_ids)
     assert sum(not s.is_model for s in traj.segments) == len(traj.tool_calls) >= 1

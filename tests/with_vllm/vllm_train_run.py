@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 LOGP_TOL = 5e-4  # derived in test_vllm_engine.py's docstring
+# The bound on one subprocess (a run, a launch): it catches a hang, not a slow machine. A
+# run that took 1200 s at load average 5-8 once hit the old 1200 s bound.
+HANG_TIMEOUT_S = 3600
 
 TRAIN_ARGS = (
     "model.path=smollm2-135m", "rollout.name=vllm", "rollout.kv_cache_gib=1",
@@ -31,7 +34,7 @@ def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
             f"trainer.rollout_data_dir={out / 'rollouts'}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([sys.executable, "-m", "appo.cli", "train", *args],
-                          capture_output=True, text=True, env=env, timeout=1200)
+                          capture_output=True, text=True, env=env, timeout=HANG_TIMEOUT_S)
 
 
 def rollout_errors(model_dir, dump: Path) -> list[float]:
