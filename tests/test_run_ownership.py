@@ -88,7 +88,8 @@ def test_a_live_run_refuses_a_second_resume_and_an_overwrite(trained_run, capsys
                                             "trainer.resume=true"]), progress=False)
     try:
         for extra in ("trainer.resume=true", "trainer.overwrite=true"):
-            r = run_cli(*TRAIN, "trainer.total_steps=2", extra)
+            # a second process: within one process the lock is re-entrant (library callers)
+            r = run_cli(*TRAIN, "trainer.total_steps=2", extra, subprocess=True)
             line = one_error_line(r.stderr)
             assert r.returncode == 2
             assert f"run directory run is in use by pid {os.getpid()}" in line, line
