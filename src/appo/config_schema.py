@@ -303,7 +303,8 @@ class TrainerConfig:
     # Where metrics go: console, jsonl (metrics.jsonl), tensorboard, wandb.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     # Under several processes: ddp (gradient all-reduce) or fsdp (sharded, torch FSDP2);
-    # auto = fsdp when `accelerate launch` runs an FSDP config, else ddp.
+    # auto = fsdp when `accelerate launch` runs an FSDP config or several processes run on
+    # CUDA, else ddp.
     parallel: str = "auto"
     # On CUDA the trainer plans its memory per GPU at start-up (appo.trainer.plan_run, as
     # `appo plan` prints it) and refuses a run predicted not to fit; true starts it anyway.
