@@ -121,6 +121,12 @@ def _isolated(env: dict | None) -> Iterator[None]:
     import numpy as np
     import torch
 
+    from appo import errors
+
+    # appo's warn_once: a fresh process has warned nothing yet (in this one another test may
+    # have printed the same warning already, which the call would then not show).
+    warned = set(errors._warned)
+    errors._warned.clear()
     saved_env, saved_path = dict(os.environ), sys.path[:]
     cwd = os.getcwd()
     handlers = {s: signal.getsignal(s) for s in _SIGNALS}
@@ -146,6 +152,8 @@ def _isolated(env: dict | None) -> Iterator[None]:
             warnings.showwarning = _show_on_stderr
             yield
     finally:
+        errors._warned.clear()
+        errors._warned.update(warned)
         os.environ.clear()
         os.environ.update(saved_env)
         sys.path[:] = saved_path
