@@ -281,3 +281,13 @@ def to_yaml(cfg: AppoConfig) -> str:
 def to_container(cfg: Any) -> Any:
     """A plain dict/list copy of a config node (for logging and checkpoints)."""
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A plain nested dict (`to_container`'s) as `{"a.b.c": value}`; lists stay values."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}

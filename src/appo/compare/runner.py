@@ -96,21 +96,12 @@ def pair_state(spec: CompareSpec, variant: str, seed: int) -> str:
     return "missing"
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def pair_definition(spec: CompareSpec, variant: str, seed: int) -> dict[str, Any]:
     """What one pair's numbers mean: its resolved run config (dotted keys) and the
     evaluation settings (not the eval sets: the report checks each set's files itself)."""
-    from appo.config import to_container
+    from appo.config import flatten, to_container
 
-    config = _flat(to_container(spec.config(variant, seed)))
+    config = flatten(to_container(spec.config(variant, seed)))
     out = {k: v for k, v in config.items() if k not in _NOT_DEFINITION}
     e = spec.eval
     out.update({"eval.k": e.k, "eval.temperature": e.temperature, "eval.top_p": e.top_p,

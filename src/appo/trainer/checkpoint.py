@@ -441,18 +441,11 @@ RESUME_KEYS_IGNORED = frozenset({"trainer.resume", "trainer.overwrite", "trainer
                                  "trainer.total_epochs", "trainer.default_local_dir"})
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`key old -> new` for every setting that differs (dotted keys, sorted)."""
-    a, b = _flatten(old), _flatten(new)
+    from appo.config import flatten
+
+    a, b = flatten(old), flatten(new)
     missing = object()
     lines = []
     ignored = set(RESUME_KEYS_IGNORED)
