@@ -85,6 +85,7 @@ def _captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
     saved_fds = os.dup(1), os.dup(2)
     saved_streams = sys.stdout, sys.stderr, sys.stdin
     files = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    bound: list[tuple[logging.StreamHandler, object]] = []
     try:
         os.dup2(files[0].fileno(), 1)
         os.dup2(files[1].fileno(), 2)
@@ -99,7 +100,7 @@ def _captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
         yield texts
     finally:
         for handler, stream in bound:
-            handler.setStream(stream)
+            _set_stream(handler, stream)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -183,14 +184,25 @@ def _point_stream_handlers(out, err) -> list[tuple[logging.StreamHandler, object
         for h in lg.handlers:
             if type(h) is not logging.StreamHandler:  # a file's handler writes to its file
                 continue
+            if any(h is seen for seen, _ in bound):  # one handler on several loggers: once,
+                continue  # or the second entry would "restore" it to `out`
             try:
                 fd = h.stream.fileno()
             except (AttributeError, OSError, ValueError):
                 fd = 2  # pytest's capture streams have none; a StreamHandler's default
             if fd in (1, 2):
                 bound.append((h, h.stream))
-                h.setStream(out if fd == 1 else err)
+                _set_stream(h, out if fd == 1 else err)
     return bound
+
+
+def _set_stream(handler: logging.StreamHandler, stream) -> None:
+    """`handler.setStream`, which flushes the old stream first: that raises when the old one
+    is closed (a capture stream of a test that has ended), which then is only replaced."""
+    try:
+        handler.setStream(stream)
+    except ValueError:
+        handler.stream = stream
 
 
 def _show_on_stderr(message, category, filename, lineno, file=None, line=None) -> None:
