@@ -18,6 +18,7 @@ import pytest
 
 from appo.tools.python_tool import PythonTool, strip_code_fence, truncate_middle
 from appo.tools.sandbox.runtime import prepare_code
+from appo.tools.sandbox.zygote import AUTO_UID_BASE
 
 
 def _process_table() -> dict[int, int]:
@@ -57,12 +58,28 @@ def _leftovers(tool: PythonTool) -> list[str]:
     return problems
 
 
-def _uid_processes(uid: int) -> set[int]:
+def _sandbox_uids(tool: PythonTool) -> set[int]:
+    """The uids a sandbox's code runs as: with `sandbox_uid="auto"` one per live worker (from
+    the worker's pid), else the one fixed uid; empty when it drops to none."""
+    caps = tool.capabilities
+    if caps.get("uid_per_worker"):
+        # The zygote forks its spare workers just after it reports ready: wait for them.
+        deadline = time.monotonic() + 30
+        while True:
+            workers = _children(_process_table(), tool.sandbox.pid)
+            if len(workers) >= caps.get("spares", 1) or time.monotonic() > deadline:
+                return {AUTO_UID_BASE + w for w in workers}
+            time.sleep(0.02)
+    return set() if caps["uid_drop"] is None else {caps["uid_drop"]}
+
+
+def _uid_processes(uids: int | set[int]) -> set[int]:
+    uids = {uids} if isinstance(uids, int) else uids
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
+                if os.stat(f"/proc/{entry}").st_uid in uids:
                     pids.add(int(entry))
             except OSError:
                 pass
@@ -107,7 +124,7 @@ def _stray_sandbox_uid_processes(tool: PythonTool, before: set[int]) -> set[int]
     parents = _process_table()
     idle_code = {kid for sup in _children(parents, tool.sandbox.pid)
                  for kid in _children(parents, sup)}
-    new_live = {pid for pid in _uid_processes(tool.capabilities["uid_drop"]) - before
+    new_live = {pid for pid in _uid_processes(_sandbox_uids(tool)) - before
                 if pid in parents}
     return new_live - idle_code
 
@@ -124,12 +141,12 @@ def patient_clean(patient_tool):
 
 
 def _left_clean(tool):
-    uid = tool.capabilities["uid_drop"]
-    uid_before = _uid_processes(uid) if uid is not None else set()
+    uids = _sandbox_uids(tool)
+    uid_before = _uid_processes(uids)
     zygote = tool.sandbox.pid
     yield
     assert _wait_until_clean(tool) == []
-    if uid is not None:
+    if uids:
         deadline = time.monotonic() + 5.0
         while _stray_sandbox_uid_processes(tool, uid_before) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -186,8 +203,8 @@ def test_stdlib_modules_outside_the_preload_import_as_the_sandbox_user(tool):
     result = tool.execute("import xml.dom.minidom, wave, zipfile\nimport os\nos.getuid()")
     assert result.ok, result.text
     if os.geteuid() == 0:
-        uid = tool.capabilities["uid_drop"]
-        assert uid not in (None, 0, 65534) and result.text == str(uid)
+        uids = _sandbox_uids(tool)
+        assert uids and not uids & {0, 65534} and int(result.text) in uids
 
 
 def test_error_shows_trimmed_traceback_after_partial_stdout(tool):
@@ -409,6 +426,27 @@ def test_concurrent_callers_get_their_own_results(tool):
     assert len(_children(_process_table(), tool.sandbox.pid)) <= 8  # workers grew to need
 
 
+def test_concurrent_calls_each_get_the_whole_process_limit():
+    """RLIMIT_NPROC counts a uid's processes. With one uid for every call of a run, 8 calls
+    at once that each keep 40 children alive shared 64 processes and most forks failed
+    (issue 41: 0 of 16 succeeded); each worker's code now runs as a uid of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to a sandbox uid (one per worker)")
+    t = PythonTool(timeout=60, memory_mb=256, max_processes=48, spares=8)
+    code = ("import os, time\nkids = []\nfor _ in range(40):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        time.sleep(1.0)\n        os._exit(0)\n"
+            "    kids.append(pid)\nfor k in kids:\n    os.waitpid(k, 0)\nprint(len(kids))")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(t.execute, [code] * 16))
+        assert [(r.ok, r.text) for r in results] == [(True, "40")] * 16
+        assert len(_sandbox_uids(t)) == len(_children(_process_table(), t.sandbox.pid)) >= 8
+    finally:
+        t.close()
+
+
 def test_pool_survives_the_suite(tool):
     assert tool.sandbox.restarts == 0
     assert tool.execute("print('still here')").text == "still here"
@@ -517,8 +555,8 @@ def test_other_sandboxes_processes_do_not_count_against_the_process_limit():
     results = {}
     thread = threading.Thread(target=lambda: results.update(busy=busy.execute(busy_code)))
     try:
-        busy_uid, small_uid = busy.capabilities["uid_drop"], small.capabilities["uid_drop"]
-        assert busy_uid != small_uid
+        busy_uid, small_uid = _sandbox_uids(busy), _sandbox_uids(small)
+        assert busy_uid and small_uid and not busy_uid & small_uid
         thread.start()
         deadline = time.monotonic() + 30
         while len(_uid_processes(busy_uid)) < 10 and time.monotonic() < deadline:

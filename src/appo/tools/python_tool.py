@@ -63,8 +63,8 @@ class PythonTool:
     (more stops the program), `error_lines` (traceback lines kept), `empty_output_text`,
     `preload` / `extra_preload` (modules imported once in the zygote), `isolation`
     (auto | rlimits), `network` (false), `sandbox_uid` (uid the code runs as when appo runs
-    as root; "auto": one of its own per sandbox, so other sandboxes' processes do not count
-    against `max_processes`), `spares` (workers kept ready), `strip_fences`, `eager_start`.
+    as root; "auto": one of its own per sandbox worker, so neither the run's other concurrent
+    calls nor other sandboxes' processes count against `max_processes`), `spares` (workers kept ready), `strip_fences`, `eager_start`.
     """
 
     enforces_timeout = True  # the sandbox bounds every run; no executor watchdog needed

@@ -13,9 +13,10 @@ wall-time, CPU-time, memory (address space), process-count and file-size limits;
 environment (nothing inherited, so no API keys); no network at all (a new network namespace:
 not even 127.0.0.1); the filesystem read-only except a fresh size-capped tmpfs on /tmp (the
 working dir) and /dev/shm that vanishes with the call; a PID namespace whose init kills every
-process the code started when it ends or times out; as root, an unprivileged uid of the sandbox's
+process the code started when it ends or times out; as root, an unprivileged uid of each worker's
 own (`sandbox_uid="auto"`: no other process has it; no groups, `no_new_privs`), so
-RLIMIT_NPROC holds and counts only this sandbox's processes, the code cannot signal the host, and
+RLIMIT_NPROC holds and counts only the processes of the one call that worker runs (concurrent
+calls of one run each get their whole `max_processes`), the code cannot signal the host, and
 files only `others` may read are readable (world-readable files remain readable; so do
 world-writable Unix sockets such as a D-Bus socket).
 

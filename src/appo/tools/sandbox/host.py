@@ -342,7 +342,9 @@ def describe_capabilities(caps: dict) -> str:
     layers.append("read-only fs + tmpfs workdir" if caps.get("readonly_fs") else "temp workdir")
     layers.append("pid namespace" if caps.get("pidns") else "subreaper cleanup")
     layers.append(f"{caps.get('spares', 0)} pre-forked workers")
-    if caps.get("uid_drop") is not None:
+    if caps.get("uid_per_worker"):
+        layers.append("a uid per worker")
+    elif caps.get("uid_drop") is not None:
         layers.append(f"uid {caps['uid_drop']}")
     elif caps.get("userns"):
         layers.append("user namespace")

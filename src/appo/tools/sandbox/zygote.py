@@ -71,8 +71,8 @@ from .linux import (
 from .mounts import _expose_untraversable, _remount_all_readonly
 from .supervisor import Supervisor
 
-# "auto" uids: above every uid a distribution hands out and below 2**31, plus the zygote's pid
-# (at most 2**22), so two live sandboxes never share one.
+# "auto" uids: above every uid a distribution hands out and below 2**31, plus a live process's
+# pid (at most 2**22: the zygote's, then each worker's), so two live sandboxes never share one.
 AUTO_UID_BASE = 0x60000000
 
 
@@ -160,6 +160,7 @@ class Zygote:
             caps["pidns"] = self.probe_pidns()
         caps["seccomp_net"] = want_net and not caps["netns"]
         caps["uid_drop"] = self.uid
+        caps["uid_per_worker"] = self.uid is not None and cfg.get("drop_uid") == "auto"
 
     def prepare_tmp_keep(self) -> None:
         """Python-path entries under /tmp or /dev/shm (e.g. a CI venv) must survive the
@@ -256,11 +257,23 @@ class Zygote:
                 self.control.close()
                 ours.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                # The worker's pid as the zygote sees it (in its own PID namespace the
+                # worker is PID 1): the first message on its socket.
+                self.own_uid(int(theirs.recv(32)))
                 code = Supervisor(self, theirs).run()
             finally:
                 os._exit(code)
         theirs.close()
+        ours.send(b"%d" % pid)
         return ours
+
+    def own_uid(self, worker_pid: int) -> None:
+        """With `sandbox_uid="auto"` each worker's code runs as a uid of its own (from the
+        worker's pid, unique among live processes), so RLIMIT_NPROC, a per-uid count, gives
+        every concurrent call of one run its whole `max_processes` (one uid for the run
+        let 16 concurrent calls share 64 processes). A fixed `sandbox_uid` stays shared."""
+        if self.uid is not None and self.config.get("drop_uid") == "auto":
+            self.uid = self.gid = AUTO_UID_BASE + worker_pid
 
 
 def main() -> None:
