@@ -10,6 +10,9 @@ the new one, never a half-written file or no file at all:
   A crash at any moment leaves either the old or the new directory under `final`, or the
   old one under its aside name, which `recover_leftovers` renames back at the next start.
   On failure the temporary directory is removed.
+- `output_file(path)`: a temporary sibling path for a writer that wants a path (pyarrow, a
+  JSONL loop); on success it replaces `path`, on failure it is removed and a failed write
+  becomes `write_error`'s one line, so a full disk leaves neither a half file nor a temp.
 - `write_error(exc, path)`: an `OSError` (or a library's wrapped write failure, e.g. torch's
   "file write failed") as one `AppoError` line naming the path, "no space left on device"
   when that is the cause.
@@ -46,6 +49,34 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def output_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write the whole new file to; on a clean exit
+    it is fsync'd and renamed over `path`. On any failure it is removed; a failed write
+    (the temp or `path` itself, or a library's wrapped write error) is raised as one
+    `AppoError` naming `path`, anything else (a bad input's error) unchanged."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if _is_own_write_failure(exc, (tmp, path)):
+            raise write_error(exc, path) from exc
+        raise
+
+
+def _is_own_write_failure(exc: BaseException, paths: tuple[Path, ...]) -> bool:
+    """A write failure of one of `paths` (an OSError naming another file is that file's)."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return Path(str(exc.filename)) in paths
+    return isinstance(exc, Exception) and is_write_failure(exc)
 
 
 def _tmp_name(final: Path) -> Path:
@@ -116,10 +147,11 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-# Library errors that wrap a failed write without an errno: torch's zip writer on a full
+# Library errors that wrap a failed write without an errno (numpy, torch): torch's zip writer on a full
 # disk says "[enforce fail at inline_container.cc:672] . unexpected pos 82048 vs 81936"
 # (measured on a full tmpfs) or "file write failed"; safetensors says "StorageFull".
-_TORCH_WRITER = ("inline_container.cc", "pytorchstreamwriter", "file write failed")
+_TORCH_WRITER = ("inline_container.cc", "pytorchstreamwriter", "file write failed",
+                 " requested and ")  # numpy's short write: "12000 requested and 2016 written"
 _NO_SPACE = ("no space left", "storagefull", "os error 28")
 _WRITE_FAILURE_HINTS = (*_TORCH_WRITER, *_NO_SPACE, "disk quota")
 

@@ -71,16 +71,19 @@ def _synth_spec(args: argparse.Namespace) -> str:
 def _write_rows(rows: list[dict], out) -> None:
     import json
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    from appo.fsutil import output_file
 
-        pq.write_table(pa.Table.from_pylist(rows), out)
-    else:
-        with out.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_file(out) as tmp:  # a full disk leaves the old file (or none), never half
+        if out.suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        else:
+            with tmp.open("w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def _synth(args: argparse.Namespace) -> int:

@@ -242,9 +242,11 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=
     record, and `read_jsonl` drops the text again. `annotations[i]` (e.g. the reward's
     accuracy, the mean advantage) is merged into line i's `extra` for `appo view`.
     """
+    from appo.fsutil import output_file
+
     path = Path(path)
     count = 0
-    with path.open("w", encoding="utf-8") as f:
+    with output_file(path) as tmp, tmp.open("w", encoding="utf-8") as f:
         for i, traj in enumerate(trajectories):
             data = traj.to_dict()
             if annotations is not None:

@@ -176,6 +176,12 @@ def write_corpus(passages: Iterable[Passage], path: str | os.PathLike) -> int:
     return n
 
 
+# What an index directory holds (bm25s' arrays, the passages, appo's meta.json).
+INDEX_FILES = frozenset({"data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy",
+                         "params.index.json", "vocab.index.json", "nonoccurrence_array.index.npy",
+                         "passages.jsonl", "meta.json"})
+
+
 class Bm25Index:
     """A bm25s index over a passage corpus, stored in a directory:
     bm25s' arrays + `passages.jsonl` + `meta.json` (corpus fingerprint, size)."""
@@ -196,18 +202,32 @@ class Bm25Index:
 
         if not passages:
             raise AppoError("cannot build a search index from an empty corpus")
+        from appo.fsutil import atomic_dir, is_write_failure, write_error
+
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in INDEX_FILES) if (
+            out.is_dir()) else []
+        if foreign:  # the directory is replaced whole: never delete what is not an index
+            raise AppoError(f"{out} holds files that are not a search index ({foreign[0]}, "
+                            "...): give the index a directory of its own")
         texts = [p.snippet() for p in passages]
         tokens = bm25s.tokenize(texts, stopwords="en", show_progress=False)
         retriever = bm25s.BM25()
         retriever.index(tokens, show_progress=False)
-        retriever.save(str(out), show_progress=False)
-        write_corpus(passages, out / "passages.jsonl")
         meta = {"fingerprint": fingerprint, "passages": len(passages), "built_at": time.time(),
                 "format": 1}
-        # meta.json last: its presence marks a complete index.
-        (out / "meta.json").write_text(json.dumps(meta))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # Built aside and swapped in: a full disk leaves the old index (or none), never
+            # a half one; meta.json last all the same (its presence marks a complete index).
+            with atomic_dir(out) as tmp:
+                retriever.save(str(tmp), show_progress=False)
+                write_corpus(passages, tmp / "passages.jsonl")
+                (tmp / "meta.json").write_text(json.dumps(meta))
+        except Exception as exc:
+            if is_write_failure(exc):
+                raise write_error(exc, out) from exc
+            raise
         return cls(retriever, passages, meta)
 
     @classmethod

@@ -210,9 +210,10 @@ class SearchCache:
                     params: Mapping | None = None) -> int:
         """Write entries as the original `{query: text}` JSON; returns how many."""
         out = self.entries(backend, params)
-        tmp = Path(str(path) + ".tmp")
-        tmp.write_text(json.dumps(out, ensure_ascii=False, indent=2), encoding="utf-8")
-        tmp.replace(path)
+        from appo.fsutil import output_file
+
+        with output_file(path) as tmp:
+            tmp.write_text(json.dumps(out, ensure_ascii=False, indent=2), encoding="utf-8")
         return len(out)
 
     def entries(self, backend: str | None = None, params: Mapping | None = None

@@ -14,13 +14,13 @@ word its document uses ("Velkor Tine headquarters"), which BM25 ranks first in t
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from appo.data.synth.common import DemoStep, SynthItem, stable_hash
+from appo.fsutil import output_file
 
 DATA_SOURCE = "synth_lookup"
 HOPS = (1, 2)
@@ -175,9 +175,8 @@ def write_corpus(world: World, path: Path) -> Path:
     text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in world.documents())
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return path
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with output_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     return path
 
 
