@@ -103,6 +103,25 @@ def test_a_live_run_refuses_a_second_resume_and_an_overwrite(trained_run, capsys
     assert (trained_run / "global_step_2").is_dir()
 
 
+def test_a_rollout_dump_directory_in_use_is_refused(files, capsys):
+    """Two runs dumping into one `trainer.rollout_data_dir` would mix their step files."""
+    holder = hold_lock(files / "dumps")
+    try:
+        rc, err = train_in_process(capsys, "trainer.total_steps=1",
+                                   "trainer.rollout_data_dir=dumps")
+        assert rc == 2
+        line = one_error_line(err)
+        assert (f"rollout dump directory (trainer.rollout_data_dir) dumps is in use by pid "
+                f"{holder.pid}") in line, line
+        assert not (files / "run").exists()  # the refused run left no directory behind
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, err = train_in_process(capsys, "trainer.total_steps=1", "trainer.rollout_data_dir=dumps")
+    assert rc == 0, err
+    assert (files / "dumps" / "step_00001.jsonl").is_file()
+
+
 def test_the_lock_goes_with_its_process(tmp_path):
     """A killed holder never leaves a stale lock (the kernel drops it)."""
     from appo.outdir import lock_dir

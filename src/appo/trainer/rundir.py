@@ -101,6 +101,7 @@ class RunDir:
     lock: DirLock | None = None
     aside: Path | None = None  # the run `overwrite` replaces, until this one has started
     resume: bool = False
+    dumps_lock: DirLock | None = None  # trainer.rollout_data_dir, while this run writes there
 
     @property
     def owner(self) -> bool:
@@ -130,6 +131,8 @@ class RunDir:
         discard_unused_run_dir(self.path, self.new_dirs)
 
     def release(self) -> None:
+        if self.dumps_lock is not None:
+            self.dumps_lock.release()
         if self.lock is not None:
             self.lock.release()
 
@@ -271,8 +274,14 @@ def agree_run_dir(t, dp) -> RunDir:
         try:
             run = open_run_dir(t.default_local_dir, "appo", "trainer.default_local_dir",
                                resume=t.resume, overwrite=t.overwrite)
+            if t.rollout_data_dir:  # two runs dumping into one directory mix their steps
+                run.dumps_lock = lock_dir(t.rollout_data_dir,
+                                          "rollout dump directory (trainer.rollout_data_dir)")
             decision = str(run.path)
         except AppoError as e:
+            if run is not None:  # refused after the run directory was opened: undo that
+                run.failed()
+                run.release()
             decision = e
     decision = dp.gather_objects([decision] if dp.is_main else [])[0]
     if isinstance(decision, AppoError):
