@@ -27,6 +27,19 @@ def test_t_interval_three_seeds_by_hand():
     assert not iv.excludes_zero()
 
 
+def test_t_interval_is_clipped_to_the_range_of_the_quantity():
+    # values 0, 0, 0.3: mean 0.1, s^2 = (0.01 + 0.01 + 0.04) / 2 = 0.03, s = 0.173205;
+    # half width = 4.303 * 0.173205 / 1.7320508 = 0.4303: [-0.3303, 0.5303], an accuracy
+    # below 0 (issue 42: `17.6 [-22.2, 57.5]` in the study's report) -> [0, 0.5303].
+    iv = t_interval([0.0, 0.0, 0.3], (0.0, 1.0))
+    assert iv.mean == pytest.approx(0.1)
+    assert (iv.low, iv.high) == (0.0, pytest.approx(0.1 + 0.4303, abs=1e-6))
+    # values 1, 1, 0.7: mean 0.9, the same half width: [0.4697, 1.3303] -> [0.4697, 1].
+    iv = t_interval([1.0, 1.0, 0.7], (0.0, 1.0))
+    assert (iv.low, iv.high) == (pytest.approx(0.9 - 0.4303, abs=1e-6), 1.0)
+    assert t_interval([0.0, 0.0, 0.3]).low == pytest.approx(0.1 - 0.4303, abs=1e-6)  # unbounded
+
+
 def test_t_interval_one_seed_has_no_bounds_and_equal_values_zero_width():
     one = t_interval([0.4])
     assert one.mean == 0.4 and math.isnan(one.low) and not one.excludes_zero()

@@ -140,7 +140,7 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
         if not fin:
             lines.append(f"| {n} | 0 | - | - | - | - | - |")
             continue
-        tok = t_interval([np.nansum(c.tokens) for c in fin])
+        tok = t_interval([np.nansum(c.tokens) for c in fin], (0.0, math.inf))
         lines.append(
             f"| {n} | {len(fin)} | {np.mean([len(c.steps) for c in fin]):.0f} | "
             f"{_fmt(tok, pct=False, digits=0)} | "
@@ -153,7 +153,8 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
                     for n in names}
         lines += ["", f"## Eval set `{set_name}`: `{spec.eval.sets[set_name]}`", "",
                   "Accuracy in %, mean over seeds with a 95% t-interval"
-                  f"{_t_note([len(rs) for rs in finished.values()])}; pass@k with "
+                  f"{_t_note([len(rs) for rs in finished.values()])}, clipped to [0, 100] "
+                  "(tool calls to >= 0); pass@k with "
                   f"k={spec.eval.k} samples at temperature {spec.eval.temperature}."
                   + (f" `{START}` is the same checkpoint for every seed, so its greedy answers "
                      "do not depend on the seed (an interval of width 0); only its sampled "
@@ -164,9 +165,10 @@ def write_report(spec: CompareSpec, resamples: int = 2000) -> Path:
             if not rs:
                 lines.append(f"| {n} | 0 | - | - | - | - |")
                 continue
-            g = t_interval([np.mean(scores(r, set_name, "greedy")) for r in rs])
-            k = t_interval([np.mean(scores(r, set_name, "pass@k")) for r in rs])
-            calls = t_interval([np.mean(r.sets[set_name].tool_calls) for r in rs])
+            g = t_interval([np.mean(scores(r, set_name, "greedy")) for r in rs], (0.0, 1.0))
+            k = t_interval([np.mean(scores(r, set_name, "pass@k")) for r in rs], (0.0, 1.0))
+            calls = t_interval([np.mean(r.sets[set_name].tool_calls) for r in rs],
+                               (0.0, math.inf))
             lines.append(f"| {n} | {len(rs)} | {len(rs[0].sets[set_name].greedy)} | {_fmt(g)} "
                          f"| {_fmt(k)} | {_fmt(calls, pct=False)} |")
         lines += ["", "Differences (first minus second variant, points), paired bootstrap "
