@@ -125,7 +125,8 @@ def _fake_result(spec, variant, seed, greedy, sampled):
 def test_report_intervals_and_distinguishable_sentence(tmp_path):
     spec = load_spec(write_spec(tmp_path, seeds=(1, 2, 3)))
     # grpo: greedy accuracies 1/4, 2/4, 3/4 over the seeds -> mean 0.5, s = 0.25, half width
-    # 4.303 * 0.25 / sqrt(3) = 0.621084 -> [-12.1, 112.1] in %; pass@k always 0.
+    # 4.303 * 0.25 / sqrt(3) = 0.621084 -> [-12.1, 112.1] in %, clipped to what an accuracy
+    # can be: [0.0, 100.0]; pass@k always 0.
     # arpo: always right. Sampled pass@k differs by -1 in every (seed, question) cell, so
     # every resample's mean is -1: [-100, -100] points, distinguishable from noise.
     for seed, ok in zip((1, 2, 3), (1, 2, 3), strict=True):
@@ -133,7 +134,7 @@ def test_report_intervals_and_distinguishable_sentence(tmp_path):
         _fake_result(spec, "grpo", seed, greedy, [0, 0, 0, 0])
         _fake_result(spec, "arpo", seed, [1.0] * 4, [2, 2, 2, 2])
     text = write_report(spec, resamples=500).read_text()
-    assert "| grpo | 3 | 4 | 50.0 [-12.1, 112.1] | 0.0 [0.0, 0.0] | 1.00 [1.00, 1.00] |" in text
+    assert "| grpo | 3 | 4 | 50.0 [0.0, 100.0] | 0.0 [0.0, 0.0] | 1.00 [1.00, 1.00] |" in text
     assert "| arpo | 3 | 4 | 100.0 [100.0, 100.0] | 100.0 [100.0, 100.0] |" in text
     assert "grpo vs arpo on `toy` (sampled pass@k: -100.0 [-100.0, -100.0])" in text
     # Cost: 100 sampled tokens, 1 branch and 2 s in the one step of every seed; 1 s of eval.
