@@ -1,8 +1,8 @@
 """Reward routing by `data_source` / `ability`, and user reward functions loaded from a file.
 
 Routing order (first hit wins):
-1. a user function (`custom_reward_function.path` + `.name`) replaces routing entirely,
-   as in verl;
+1. a user function (`custom_reward_function.path` + `.name`, or a Python callable given as
+   `custom_fn` / `RLTrainer(reward_fn=...)`) replaces routing entirely, as in verl;
 2. `data_source` looked up in `DATA_SOURCE_ROUTES` (extendable per router);
 3. `ability` looked up in `ABILITY_ROUTES` (`math` -> math, `qa` -> qa);
 4. otherwise an `AppoError` naming the data source and ability, raised by `resolve` so a
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
+from appo.registry import qualified_name
 from appo.rewards.base import RewardOutput
 from appo.rewards.deep_research import deep_research_reward
 from appo.rewards.math_reward import math_reward
@@ -86,6 +87,28 @@ def load_custom_reward(path: str | Path, name: str = "compute_score") -> Callabl
     return fn
 
 
+def _check_callable(fn: Any) -> Callable[..., Any]:
+    """A reward given as a Python object: callable, with parameters this router can pass
+    by name (verl's `data_source, solution_str, ground_truth, extra_info`), else one line."""
+    if not callable(fn):
+        raise AppoError(f"reward_fn: {type(fn).__name__} is not callable (give a function "
+                        "(data_source, solution_str, ground_truth, extra_info) -> float | dict)")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: called with all four by name
+    known = {"data_source", "solution_str", "ground_truth", "extra_info"}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [name for name, p in params.items()
+                   if name not in known and p.default is p.empty
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if unknown:
+            raise AppoError(f"reward_fn {qualified_name(fn)}: parameter(s) "
+                            f"{', '.join(unknown)} are none of {', '.join(sorted(known))}, "
+                            "which is what a reward function is called with (by name)")
+    return fn
+
+
 def _to_output(value: Any, source: str) -> RewardOutput:
     if isinstance(value, RewardOutput):
         return value
@@ -127,6 +150,7 @@ class RewardRouter:
         custom_name: str = "compute_score",
         routes: dict[str, str] | None = None,
         reward_kwargs: dict[str, dict[str, Any]] | None = None,
+        custom_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.routes = {**DATA_SOURCE_ROUTES, **(routes or {})}
         for source, name in self.routes.items():
@@ -140,9 +164,16 @@ class RewardRouter:
         self.custom: Callable[..., Any] | None = None
         self.custom_label = ""
         self._custom_params: set[str] | None = None
-        if custom_path:
+        if custom_fn is not None and custom_path:
+            raise AppoError("a reward function given in Python (reward_fn=) and "
+                            f"custom_reward_function.path={custom_path}: give one")
+        if custom_fn is not None:
+            self.custom = _check_callable(custom_fn)
+            self.custom_label = f"custom:{qualified_name(custom_fn)}"
+        elif custom_path:
             self.custom = load_custom_reward(custom_path, custom_name)
             self.custom_label = f"custom:{Path(custom_path).name}:{custom_name}"
+        if self.custom is not None:
             params = inspect.signature(self.custom).parameters
             takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
             self._custom_params = None if takes_any else set(params)
@@ -216,10 +247,12 @@ def compute_reward(
     return _DEFAULT_ROUTER(data_source, solution_str, ground_truth, extra_info, ability)
 
 
-def router_from_config(cfg: Any) -> RewardRouter:
-    """A router for an `AppoConfig` (uses `custom_reward_function.{path,name}`)."""
+def router_from_config(cfg: Any, reward_fn: Callable[..., Any] | None = None) -> RewardRouter:
+    """A router for an `AppoConfig` (uses `custom_reward_function.{path,name}`), or for a
+    reward function given in Python (`reward_fn`, which replaces routing as a file does)."""
     custom = cfg.custom_reward_function
     # deep_research's format rule follows the call format (tools.format, docs §6.1).
     kwargs = ({"deep_research": {"call_format": str(cfg.tools.format)}}
               if cfg.tools.format != "tags" else None)
-    return RewardRouter(custom_path=custom.path, custom_name=custom.name, reward_kwargs=kwargs)
+    return RewardRouter(custom_path=custom.path, custom_name=custom.name, reward_kwargs=kwargs,
+                        custom_fn=reward_fn)
