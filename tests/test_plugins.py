@@ -16,7 +16,7 @@ import pytest
 
 import appo
 from appo.errors import AppoError
-from appo.registry import STRATEGIES
+from appo.registry import REWARDS, STRATEGIES
 from cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,11 +32,12 @@ def clean_registry():
     """Strategies a test registers are gone afterwards (the reference pages, generated in
     the same process by another test, list the registry's names), and a plugin file is
     imported afresh by the next test that loads it."""
-    before = set(STRATEGIES)
+    before = {id(r): set(r) for r in (STRATEGIES, REWARDS)}
     modules = set(sys.modules)
     yield
-    for name in set(STRATEGIES) - before:
-        STRATEGIES.unregister(name)
+    for registry in (STRATEGIES, REWARDS):
+        for name in set(registry) - before[id(registry)]:
+            registry.unregister(name)
     for name in set(sys.modules) - modules:
         if name.startswith("appo_plugin_") or name.startswith("my_rules"):
             del sys.modules[name]
@@ -145,15 +146,32 @@ def check_dump(dump: Path) -> None:
         assert sum(child["loss_mask"][:keep]) == keep  # trained like any row
 
 
+REWARD_PLUGIN = """
+import appo
+
+@appo.register_reward("quarter")
+def quarter(data_source, solution_str):
+    return {"score": 0.25, "acc": float(data_source == "synth_arith"), "chars": len(solution_str)}
+"""
+
+
 def test_a_plugin_strategy_trains_from_the_command_line(tmp_path, clean_registry):
+    """Two plugins: the example strategy, and a reward registered by name and selected with
+    custom_reward_function.name."""
     run, dump = tmp_path / "run", tmp_path / "dump"
-    r = run_cli("train", "--plugin", str(EXAMPLE), "rollout.strategy=fixed_split", *TINY,
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARD_PLUGIN)
+    r = run_cli("train", "--plugin", str(EXAMPLE), "--plugin", str(rewards),
+                "rollout.strategy=fixed_split", "custom_reward_function.name=quarter", *TINY,
                 f"trainer.default_local_dir={run}", f"trainer.rollout_data_dir={dump}")
     assert r.returncode == 0, r.stderr[-2000:]
     check_dump(dump)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1]
     assert rows[0]["rollout/branches"] == 4  # 2 prompts x (n - 1)
+    assert (rows[0]["reward/mean"], rows[0]["reward/accuracy"]) == (0.25, 1.0)
+    lines = [json.loads(line) for line in (dump / "step_00001.jsonl").read_text().splitlines()]
+    assert {line["reward"] for line in lines} == {0.25}
     assert (run / "global_step_1").is_dir()
 
 
@@ -169,3 +187,39 @@ def test_a_plugin_strategy_trains_from_python(tmp_path, clean_registry):
     check_dump(tmp_path / "dump")
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["objects"]["strategy"].endswith(".fixed_split")
+
+
+def test_a_registered_reward_routes_its_data_source_and_can_score_every_row(clean_registry):
+    from appo.rewards import RewardRouter, router_from_config
+
+    got = []
+
+    @appo.register_reward("exact")
+    def exact(solution_str, ground_truth, extra_info):
+        got.append((solution_str, ground_truth, extra_info))
+        return float(solution_str.strip() == ground_truth)
+
+    router = RewardRouter()
+    assert router.resolve("exact") == "exact"
+    out = router("exact", " 4 ", "4", {"index": 2})
+    assert (out.score, out.reward_fn) == (1.0, "registered:exact")
+    assert got == [(" 4 ", "4", {"index": 2})]
+    assert router("gsm8k", "<answer> \\boxed{4} </answer>", "4").reward_fn == "math"
+    # custom_reward_function.name alone: every row, whatever its data_source.
+    every = router_from_config(appo.load_config(overrides=["custom_reward_function.name=exact"]))
+    assert every("gsm8k", "5", "4").score == 0.0 and len(got) == 2
+    # A built-in by name scores every row too, with the config's options for it.
+    math = router_from_config(appo.load_config(overrides=["custom_reward_function.name=math"]))
+    assert math("hotpotqa", "<answer> \\boxed{4} </answer>", "4").score == 1.0
+
+
+def test_reward_registration_and_selection_refusals(clean_registry):
+    from appo.rewards import router_from_config
+
+    with pytest.raises(AppoError, match="'qa': that is a built-in's name"):
+        appo.register_reward("qa", print)
+    cfg = appo.load_config(overrides=["custom_reward_function.name=nope"])
+    with pytest.raises(AppoError, match=r"custom_reward_function.name=nope: no reward function "
+                                        r"of that name is registered \(registered: "
+                                        r"deep_research, math, qa\)"):
+        router_from_config(cfg)

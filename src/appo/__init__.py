@@ -11,6 +11,9 @@ The front door (docs/python-api.md):
     @appo.register_strategy("fixed")  # then rollout.strategy=fixed (docs/extending.md)
     def fixed(prompts, engine, tools, settings, rng=None, score_fn=None): ...
 
+    @appo.register_reward("exact")    # rows of data_source "exact", or
+    def exact(solution_str, ground_truth): ...  # custom_reward_function.name=exact
+
 Stages are importable on their own: ``appo.models``, ``appo.tools``, ``appo.rollout``,
 ``appo.algos``, ``appo.rewards``, ``appo.data``, ``appo.trainer``, ``appo.eval``.
 Nothing heavy is imported here (the names above are looked up on first use), so
@@ -34,6 +37,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "get_strategy": ("appo.registry", "get_strategy"),
     "load_config": ("appo.config", "load_config"),
     "load_plugin": ("appo.plugins", "load_plugin"),
+    "register_reward": ("appo.registry", "register_reward"),
     "register_strategy": ("appo.registry", "register_strategy"),
 }
 

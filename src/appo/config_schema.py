@@ -388,7 +388,9 @@ class CustomRewardConfig:
     # A Python file with your reward function; null: the built-in reward of each row's
     # data_source.
     path: str | None = None
-    # The function's name in that file.
+    # The function's name in that file; with no path, a registered reward function's name
+    # (appo.register_reward, a --plugin module; or a built-in: math, qa, deep_research),
+    # which then scores every row.
     name: str = "compute_score"
 
 

@@ -157,3 +157,22 @@ def register_strategy(name: str, strategy: Any = None) -> Any:
 def get_strategy(name: str) -> Any:
     """The strategy registered as `name` (built-ins included); unknown: one line."""
     return STRATEGIES.get_checked(name)
+
+
+REWARDS = Registry("reward function", "custom_reward_function.name", {
+    "deep_research": "appo.rewards.deep_research:deep_research_reward",
+    "math": "appo.rewards.math_reward:math_reward",
+    "qa": "appo.rewards.qa_reward:qa_reward",
+})
+
+
+def register_reward(name: str, fn: Any = None) -> Any:
+    """Register a reward function as `name`: rows whose `data_source` is `name` are scored
+    by it, and `custom_reward_function.name=name` (with no `.path`) scores every row by it.
+
+    `fn` takes verl's `compute_score` parameters by name (`data_source, solution_str,
+    ground_truth, extra_info`; only those it declares) and returns a number or a dict with
+    `score`. Without it, a decorator: `@register_reward("exact")`."""
+    if fn is None:
+        return lambda f: REWARDS.register(name, f)
+    return REWARDS.register(name, fn)
