@@ -11,7 +11,8 @@ line naming the file, and a closed stdout (`appo ... | head`) ends the command q
 unix tools do. Bad command-line syntax is one line too (`AppoArgumentParser.error`), and
 options may come anywhere among the positional arguments (`appo train k=v --config f k=v`).
 
-Every sub-command's `--help` ends with examples (`appo.cli_examples`); `appo --version` prints
+`--plugin MODULE` (on every command that reads a config) imports user code before the
+handler runs (`appo.plugins`). Every sub-command's `--help` ends with examples (`appo.cli_examples`); `appo --version` prints
 the installed package's version.
 """
 
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        from appo.commands import load_plugin_args
+
+        # User code that registers strategies: before the handler loads a config.
+        load_plugin_args(args)
         result = args.handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
     except BrokenPipeError:

@@ -33,7 +33,9 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "train": ("appo train --config examples/tutorial.yaml",
               "appo train --model tiny-test trainer.total_steps=1 rollout.n=4 "
               "rollout.initial_rollouts=2 data.max_prompt_length=1024 "
-              "data.max_response_length=64"),
+              "data.max_response_length=64",
+              "appo train --plugin examples/fixed_split.py rollout.strategy=fixed_split "
+              "--model tiny-test trainer.total_steps=1 data.max_prompt_length=1024"),
     "demo": ("appo demo", "appo demo --print-config"),
     "eval": ("appo eval --model tiny-test --data 'arith=synth:arith?split=eval' --limit 8",),
     "view": ("appo view runs/eval/arith/trajectories.jsonl --model tiny-test",),

@@ -45,11 +45,30 @@ def probability(text: str) -> float:
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """`--config FILE` plus trailing dotted overrides (`rollout.n=16`)."""
+    """`--config FILE`, `--plugin MODULE` plus trailing dotted overrides (`rollout.n=16`)."""
     parser.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
+    add_plugin_option(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted config overrides"
     )
+
+
+def add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """`--plugin MODULE|FILE.py`, repeatable: user code imported before the config is
+    validated (`appo.plugins`), e.g. a module that registers a rollout strategy."""
+    parser.add_argument("--plugin", action="append", metavar="MODULE", default=None,
+                        help="import a module or .py file first (it may register strategies "
+                             "with appo.register_strategy; docs/extending.md); repeatable")
+
+
+def load_plugin_args(args: argparse.Namespace) -> None:
+    """Import the `--plugin`s of `args` (`appo.cli.main` does, before the handler runs, so
+    before any config is loaded and validated)."""
+    plugins = getattr(args, "plugin", None)
+    if plugins:
+        from appo.plugins import load_plugins
+
+        load_plugins(plugins)
 
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +219,7 @@ def register(sub) -> None:
     show.add_argument("items", nargs="*", metavar="[FILE] key=value",
                       help="a YAML config file and dotted overrides, in any order")
     show.add_argument("--config", "-c", metavar="FILE", help="YAML config file")
+    add_plugin_option(show)
     show.add_argument("--comments", action="store_true",
                       help="each key's meaning as a comment above it (appo config explain)")
     show.set_defaults(handler=_config_show)

@@ -22,6 +22,7 @@ from appo.config_schema_update import (
     FSDPOffloadConfig,
     OptimConfig,
 )
+from appo.registry import STRATEGIES, Names
 
 __all__ = [
     "CHOICES", "LIST_CHOICES", "MISSING", "ActorConfig", "AlgorithmConfig", "AppoConfig",
@@ -387,7 +388,9 @@ class CustomRewardConfig:
     # A Python file with your reward function; null: the built-in reward of each row's
     # data_source.
     path: str | None = None
-    # The function's name in that file.
+    # The function's name in that file; with no path, a registered reward function's name
+    # (appo.register_reward, a --plugin module; or a built-in: math, qa, deep_research),
+    # which then scores every row.
     name: str = "compute_score"
 
 
@@ -408,14 +411,15 @@ class AppoConfig:
 
 # Keys whose value selects a registered implementation. Kept here as plain tuples so that
 # loading a config never imports torch; tests assert they equal the real registries.
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, tuple[str, ...] | Names] = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
     "model.device": ("auto", "cpu", "cuda"),
     "data.template": ("code_search", "math", "search"),
     "data.overlong": ("skip", "fail"),
     "rollout.name": ("hf", "vllm", "openai", "auto"),
     "trainer.parallel": ("auto", "ddp", "fsdp"),
-    "rollout.strategy": ("grpo", "arpo", "aepo", "appo"),
+    # The registry itself (built-ins and strategies registered at run time; torch-free).
+    "rollout.strategy": Names(STRATEGIES),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),
     "tools.format": ("tags", "hermes"),

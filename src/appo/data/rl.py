@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from appo.data.records import LoadStats, Message, RLData, RLExample
-from appo.data.sources import parse_spec, read_spec_rows
+from appo.data.sources import InMemoryRows, parse_spec, read_spec_rows, rows_from_object
 from appo.data.templates import (
     apply_stage_prompt,
     build_messages,
@@ -176,7 +176,7 @@ def row_to_example(
 
 
 def load_rl_data(
-    specs: Sequence[str] | str,
+    specs: Sequence[str | InMemoryRows] | str,
     *,
     template: str = "math",
     tools: Sequence[str] | None = None,
@@ -208,8 +208,15 @@ def load_rl_data(
     stats = LoadStats()
     examples: list[RLExample] = []
     for text in specs:
-        spec = parse_spec(text)
-        if spec.kind == "synth":
+        spec = parse_spec(text) if not isinstance(text, InMemoryRows) else None
+        if spec is None:  # rows given in Python: read as a file's rows, no spec options
+            loaded = [
+                row_to_example(row, i, text.label, template=template, tools=tools,
+                               prompt_key=prompt_key, system_prompt=system_prompt,
+                               call_format=call_format)
+                for i, row in enumerate(text.rows)
+            ]
+        elif spec.kind == "synth":
             items = synth.generate(spec, default_split="train")
             needed = synth.SYNTH_TASKS[spec.target].tools
             if tools is not None and not set(needed) <= set(tools):
@@ -287,13 +294,18 @@ def load_rl_examples(specs: Sequence[str] | str, **kwargs: Any) -> list[RLExampl
     return load_rl_data(specs, **kwargs).examples
 
 
-def rl_data_from_config(cfg: Any, split: str = "train", tokenizer: Any = None) -> RLData:
-    """RL prompts for `data.train_files` (split="train") or `data.val_files` ("val")."""
+def rl_data_from_config(cfg: Any, split: str = "train", tokenizer: Any = None,
+                        rows: Any = None) -> RLData:
+    """RL prompts for `data.train_files` (split="train") or `data.val_files` ("val"); with
+    `rows` (a list of dicts, a pyarrow Table, a `datasets.Dataset`: `rows_from_object`),
+    those rows instead of the files, under the config's template and limits."""
     from appo.data.templates import tools_from_config
 
     if split not in ("train", "val"):
         raise AppoError(f"split must be 'train' or 'val', got {split!r}")
-    files = list(cfg.data.train_files if split == "train" else cfg.data.val_files)
+    files: list[str | InMemoryRows] = (
+        [rows_from_object(rows, f"{split}_data")] if rows is not None
+        else list(cfg.data.train_files if split == "train" else cfg.data.val_files))
     return load_rl_data(
         files,
         template=cfg.data.template,

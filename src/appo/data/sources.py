@@ -12,6 +12,9 @@ overriding the file's own), `split` (which split of a Hugging Face `DatasetDict`
 of a directory of split files; default `train`). Synthetic options are listed in
 `appo.data.synth`. A path that exists as given is never split at "?".
 
+Rows already in memory (a list of dicts, a pyarrow Table, a `datasets.Dataset`) come in as
+`InMemoryRows` (`rows_from_object`) and are read like a file's rows.
+
 Readers return plain row dicts (pyarrow `to_pylist` / `json.loads`); turning rows into typed
 examples, with checks, is `appo.data.rl` / `appo.data.sft`.
 """
@@ -80,6 +83,47 @@ def parse_spec(text: str) -> SourceSpec:
             f"(file options: {', '.join(FILE_OPTIONS)})"
         )
     return SourceSpec("file", path, options, text)
+
+
+@dataclass(frozen=True)
+class InMemoryRows:
+    """Rows given in Python instead of a spec (`RLTrainer(train_data=...)`): `label` names
+    them in messages (`train_data row 3: ...`) and is their default `data_source`."""
+
+    label: str
+    rows: tuple[dict[str, Any], ...]
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def rows_from_object(data: Any, label: str) -> InMemoryRows:
+    """Rows in memory as `InMemoryRows`: a list (or tuple) of dicts, a pyarrow Table, a
+    Hugging Face `datasets.Dataset` or a pandas DataFrame; anything else is one line."""
+    if isinstance(data, InMemoryRows):
+        return data
+    if isinstance(data, str | bytes | dict) or data is None:
+        rows = None
+    elif hasattr(data, "to_pylist"):  # pyarrow.Table
+        rows = data.to_pylist()
+    elif hasattr(data, "to_list") and hasattr(data, "column_names"):  # datasets.Dataset
+        rows = data.to_list()
+    elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas.DataFrame
+        rows = data.to_dict("records")
+    elif isinstance(data, list | tuple):
+        rows = list(data)
+    else:
+        rows = None
+    if rows is None:
+        raise AppoError(f"{label}: expected a list of dicts (or a pyarrow Table, a datasets."
+                        f"Dataset, a pandas DataFrame), got {type(data).__name__}")
+    if not rows:
+        raise AppoError(f"{label}: no rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise AppoError(f"{label} row {i}: expected a dict of columns, got "
+                            f"{type(row).__name__}")
+    return InMemoryRows(label, tuple(rows))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -1,10 +1,13 @@
 """Reward routing by `data_source` / `ability`, and user reward functions loaded from a file.
 
 Routing order (first hit wins):
-1. a user function (`custom_reward_function.path` + `.name`) replaces routing entirely,
-   as in verl;
+1. a user function (`custom_reward_function.path` + `.name`, or a Python callable given as
+   `custom_fn` / `RLTrainer(reward_fn=...)`) replaces routing entirely, as in verl;
 2. `data_source` looked up in `DATA_SOURCE_ROUTES` (extendable per router);
 3. `ability` looked up in `ABILITY_ROUTES` (`math` -> math, `qa` -> qa);
+   A name registered by the user (`appo.register_reward`) routes as a built-in's does;
+   `custom_reward_function.name=NAME` without a path makes the registered NAME replace
+   routing;
 4. otherwise an `AppoError` naming the data source and ability, raised by `resolve` so a
    trainer can check a whole dataset before the first rollout.
 
@@ -28,20 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from appo.errors import AppoError
+from appo.registry import REWARDS, qualified_name
 from appo.rewards.base import RewardOutput
-from appo.rewards.deep_research import deep_research_reward
-from appo.rewards.math_reward import math_reward
-from appo.rewards.qa_reward import qa_reward
 
 log = logging.getLogger(__name__)
+DEFAULT_FUNCTION_NAME = "compute_score"  # custom_reward_function.name's default
 
 RewardFn = Callable[..., RewardOutput]
 
-REWARD_FNS: dict[str, RewardFn] = {
-    "deep_research": deep_research_reward,
-    "math": math_reward,
-    "qa": qa_reward,
-}
+# The registry of reward names (`appo.registry.REWARDS`): the built-ins below, registered
+# there by reference, and a user's (`appo.register_reward`, a `--plugin` module), which
+# take verl's parameters by name and are called as a custom function is.
+REWARD_FNS = REWARDS
 
 # The original trained everything (math and QA rows) under data_source "DR_grpo_mix" with
 # the deep_research reward. Benchmarks are graded by what they are.
@@ -86,6 +87,37 @@ def load_custom_reward(path: str | Path, name: str = "compute_score") -> Callabl
     return fn
 
 
+def _param_names(fn: Callable[..., Any]) -> set[str] | None:
+    """The parameters a user function declares (None: it takes `**kwargs`, so all)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params)
+
+
+def _check_callable(fn: Any) -> Callable[..., Any]:
+    """A reward given as a Python object: callable, with parameters this router can pass
+    by name (verl's `data_source, solution_str, ground_truth, extra_info`), else one line."""
+    if not callable(fn):
+        raise AppoError(f"reward_fn: {type(fn).__name__} is not callable (give a function "
+                        "(data_source, solution_str, ground_truth, extra_info) -> float | dict)")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: called with all four by name
+    known = {"data_source", "solution_str", "ground_truth", "extra_info"}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [name for name, p in params.items()
+                   if name not in known and p.default is p.empty
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if unknown:
+            raise AppoError(f"reward_fn {qualified_name(fn)}: parameter(s) "
+                            f"{', '.join(unknown)} are none of {', '.join(sorted(known))}, "
+                            "which is what a reward function is called with (by name)")
+    return fn
+
+
 def _to_output(value: Any, source: str) -> RewardOutput:
     if isinstance(value, RewardOutput):
         return value
@@ -127,6 +159,8 @@ class RewardRouter:
         custom_name: str = "compute_score",
         routes: dict[str, str] | None = None,
         reward_kwargs: dict[str, dict[str, Any]] | None = None,
+        custom_fn: Callable[..., Any] | None = None,
+        custom_label: str | None = None,
     ) -> None:
         self.routes = {**DATA_SOURCE_ROUTES, **(routes or {})}
         for source, name in self.routes.items():
@@ -140,12 +174,17 @@ class RewardRouter:
         self.custom: Callable[..., Any] | None = None
         self.custom_label = ""
         self._custom_params: set[str] | None = None
-        if custom_path:
+        if custom_fn is not None and custom_path:
+            raise AppoError("a reward function given in Python (reward_fn=) and "
+                            f"custom_reward_function.path={custom_path}: give one")
+        if custom_fn is not None:
+            self.custom = _check_callable(custom_fn)
+            self.custom_label = custom_label or f"custom:{qualified_name(custom_fn)}"
+        elif custom_path:
             self.custom = load_custom_reward(custom_path, custom_name)
             self.custom_label = f"custom:{Path(custom_path).name}:{custom_name}"
-            params = inspect.signature(self.custom).parameters
-            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-            self._custom_params = None if takes_any else set(params)
+        if self.custom is not None:
+            self._custom_params = _param_names(self.custom)
 
     def resolve(self, data_source: str, ability: str | None = None) -> str:
         """The reward name for a row; AppoError if neither data_source nor ability routes."""
@@ -176,27 +215,33 @@ class RewardRouter:
         ability: str | None = None,
     ) -> RewardOutput:
         if self.custom is not None:
-            return self._call_custom(data_source, solution_str, ground_truth, extra_info)
+            return self._call_user(self.custom, self.custom_label, self._custom_params,
+                                   data_source, solution_str, ground_truth, extra_info)
         name = self.resolve(data_source, ability)
+        if not REWARDS.is_builtin(name):  # registered by the user: verl's parameters by name
+            fn = REWARDS[name]
+            return self._call_user(fn, f"registered:{name}", _param_names(fn), data_source,
+                                   solution_str, ground_truth, extra_info)
         return REWARD_FNS[name](
             solution_str, ground_truth, extra_info, **self.reward_kwargs.get(name, {})
         )
 
-    def _call_custom(self, data_source, solution_str, ground_truth, extra_info) -> RewardOutput:
+    def _call_user(self, fn, label, params, data_source, solution_str, ground_truth,
+                   extra_info) -> RewardOutput:
         kwargs = {"data_source": data_source, "solution_str": solution_str,
                   "ground_truth": ground_truth, "extra_info": extra_info}
-        if self._custom_params is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in self._custom_params}
+        if params is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
         try:
-            value = self.custom(**kwargs)
+            value = fn(**kwargs)
         except Exception as e:  # noqa: BLE001 - a user function failing on one completion
             self.errors += 1
             if self.errors == 1:
                 log.warning("custom reward %s raised %s: %s (scored 0; further errors counted)",
-                            self.custom_label, type(e).__name__, e)
+                            label, type(e).__name__, e)
             return RewardOutput(0.0, 0.0, False, f"reward function raised {type(e).__name__}: {e}",
-                                reward_fn=self.custom_label)
-        return _to_output(value, self.custom_label)
+                                reward_fn=label)
+        return _to_output(value, label)
 
 
 _DEFAULT_ROUTER: RewardRouter | None = None
@@ -216,10 +261,34 @@ def compute_reward(
     return _DEFAULT_ROUTER(data_source, solution_str, ground_truth, extra_info, ability)
 
 
-def router_from_config(cfg: Any) -> RewardRouter:
-    """A router for an `AppoConfig` (uses `custom_reward_function.{path,name}`)."""
+def router_from_config(cfg: Any, reward_fn: Callable[..., Any] | None = None) -> RewardRouter:
+    """A router for an `AppoConfig` (uses `custom_reward_function.{path,name}`), or for a
+    reward function given in Python (`reward_fn`, which replaces routing as a file does)."""
     custom = cfg.custom_reward_function
     # deep_research's format rule follows the call format (tools.format, docs §6.1).
     kwargs = ({"deep_research": {"call_format": str(cfg.tools.format)}}
               if cfg.tools.format != "tags" else None)
-    return RewardRouter(custom_path=custom.path, custom_name=custom.name, reward_kwargs=kwargs)
+    label = None
+    if reward_fn is None and not custom.path and custom.name != DEFAULT_FUNCTION_NAME:
+        # custom_reward_function.name alone: a registered reward scores every row.
+        reward_fn, label = _registered(custom.name, kwargs or {}), f"registered:{custom.name}"
+    return RewardRouter(custom_path=custom.path, custom_name=custom.name, reward_kwargs=kwargs,
+                        custom_fn=reward_fn, custom_label=label)
+
+
+def _registered(name: str, reward_kwargs: dict[str, dict[str, Any]]) -> Callable[..., Any]:
+    """The reward registered as `name`, callable with verl's parameters by name."""
+    if name not in REWARDS:
+        raise AppoError(f"custom_reward_function.name={name}: no reward function of that name "
+                        f"is registered (registered: {', '.join(REWARDS)}); set "
+                        "custom_reward_function.path to the file that defines it, or load "
+                        "the module that registers it (--plugin)")
+    fn = REWARDS[name]
+    if not REWARDS.is_builtin(name):
+        return fn
+    options = reward_kwargs.get(name, {})
+
+    def builtin(solution_str, ground_truth, extra_info):  # a built-in's positional form
+        return fn(solution_str, ground_truth, extra_info, **options)
+
+    return builtin

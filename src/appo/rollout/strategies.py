@@ -19,7 +19,9 @@
   tokens by Branching Score `z(H) * z(FV)`; branch tokens get `loss_mask=0`.
 
 Every strategy has the signature of `Strategy` and returns a `RolloutBatch`; `rng` is
-anything with `.random()` (a `random.Random`), used for branch decisions only.
+anything with `.random()` (a `random.Random`), used for branch decisions only. A user's
+strategy is registered by name (`appo.register_strategy`, docs/extending.md) in the same
+registry as these (`appo.registry.STRATEGIES`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from appo.errors import AppoError
+from appo.registry import STRATEGIES as _REGISTRY
+from appo.registry import get_strategy as _get_strategy
 from appo.rollout.engine import Engine
 from appo.rollout.loop import RolloutPrompt, RowState, ToolLoop, ToolRunner
 from appo.rollout.records import BranchEvent, PremonitorRecord, RolloutBatch
@@ -291,15 +295,8 @@ def rollout_appo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
     return _finish(loop, initial_rows + branches)
 
 
-STRATEGIES: dict[str, Strategy] = {
-    "grpo": rollout_grpo,
-    "arpo": rollout_arpo,
-    "aepo": rollout_aepo,
-    "appo": rollout_appo,
-}
-
-
-def get_strategy(name: str) -> Strategy:
-    if name not in STRATEGIES:
-        raise AppoError(f"unknown rollout strategy {name!r} (choose from {', '.join(STRATEGIES)})")
-    return STRATEGIES[name]
+# The names live in one registry (`appo.registry.STRATEGIES`), which config validation
+# reads: the built-ins are registered there by reference to the functions above, a user's
+# strategy by `appo.register_strategy` or a `--plugin` module.
+STRATEGIES = _REGISTRY
+get_strategy = _get_strategy

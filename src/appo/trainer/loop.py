@@ -44,6 +44,7 @@ from appo.trainer.fsdp import (
 )
 from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
+from appo.trainer.objects import PythonObjects
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import agree_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
@@ -314,8 +315,11 @@ class RLTrainer:
         return {"critic": self.critic.part()} if self.critic is not None else {}
 
     # ------------------------------------------------------------------ set-up
-    def __init__(self, cfg: Any, lm=None, progress: bool = True):
+    def __init__(self, cfg: Any, lm=None, progress: bool = True, *, reward_fn: Any = None,
+                 train_data: Any = None, val_data: Any = None, strategy: Any = None):
         self.cfg = cfg
+        # What a config cannot hold, recorded in run.json (appo.trainer.objects).
+        self.objects = PythonObjects.given(cfg, reward_fn, train_data, val_data, strategy)
         self.dp = DataParallel.from_env()
         self.progress = progress and self.dp.is_main
         # Before anything is loaded or written: the run directory policy (rundir.py); a
@@ -324,6 +328,8 @@ class RLTrainer:
         self.out_dir = self.run_dir.path
         cfg.trainer.default_local_dir = str(self.out_dir)  # what the checkpoints record
         with self.run_dir.starting():
+            if self.dp.is_main:
+                self.objects.record(self.out_dir, bool(cfg.trainer.resume))
             self._setup(lm)
 
     def _setup(self, lm) -> None:
@@ -385,9 +391,10 @@ class RLTrainer:
                 shard_model(self.ref_model, self.dp.world)
         check_call_format(cfg, self.tokenizer, announce=self.dp.is_main)
         self.tools = build_tools(cfg.tools)
-        train = rl_data_from_config(cfg, "train", self.tokenizer)
+        train = rl_data_from_config(cfg, "train", self.tokenizer, rows=self.objects.train_data)
         self.train_data = train.examples
-        val = rl_data_from_config(cfg, "val", self.tokenizer) if cfg.data.val_files else None
+        val = (rl_data_from_config(cfg, "val", self.tokenizer, rows=self.objects.val_data)
+               if cfg.data.val_files or self.objects.val_data is not None else None)
         self.val_data = val.examples if val is not None else []
         for key, data in (("data.train_files", train), ("data.val_files", val)):
             report_overlong(key, data, cfg.data.max_prompt_length)
@@ -396,7 +403,7 @@ class RLTrainer:
                    f"{cfg.data.max_prompt_length} (longest {train.stats.longest} tokens)"
                    if train.stats.rows and train.stats.skipped_overlong == train.stats.rows else "")
             raise AppoError(f"data.train_files produced no training prompts{why}")
-        self.reward = router_from_config(cfg)
+        self.reward = router_from_config(cfg, reward_fn=self.objects.reward_fn)
         self.reward.check((e.data_source, e.ability) for e in self.train_data + self.val_data)
         self.steps_per_epoch = max(1, len(self.train_data) // cfg.data.train_batch_size)
         self.total_steps = self.steps_per_epoch * cfg.trainer.total_epochs

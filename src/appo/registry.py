@@ -1,0 +1,178 @@
+"""Name -> implementation registries that config validation consults (rollout strategies,
+reward functions).
+
+A config key that selects an implementation by name (`rollout.strategy`) is valid when the
+name is registered here, so a user's strategy registered at run time
+(`appo.register_strategy`, or a module loaded with `appo train --plugin`) passes validation
+exactly as a built-in does. There is one list of names per key: this registry.
+
+Built-ins register the same way as user code, by name, but as a `"module:attribute"`
+reference resolved on first use: loading a config must not import torch (the strategies'
+modules do), and `appo --help` stays fast. User entries are the objects themselves.
+
+Rules: a built-in name cannot be taken (one line naming the built-ins); a user name may be
+registered again by an object of the same qualified name (a module imported twice), not by
+a different one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from appo.errors import AppoError
+
+
+def qualified_name(obj: Any) -> str:
+    """`module.qualname` of a function or class; of an instance, its class's plus `()`."""
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    module = getattr(target, "__module__", None) or "?"
+    name = f"{module}.{target.__qualname__}"
+    return name if target is obj else name + "()"
+
+
+class Registry(Mapping[str, Any]):
+    """Names of one kind (`what`, e.g. "rollout strategy") for the config key `key`.
+
+    A `Mapping`: `names in registry`, `list(registry)` (built-ins first, then user entries in
+    registration order), `registry[name]` (the implementation, a built-in imported on first
+    use)."""
+
+    def __init__(self, what: str, key: str, builtins: dict[str, str]) -> None:
+        self.what = what
+        self.key = key
+        self._builtins = dict(builtins)
+        self._entries: dict[str, Any] = dict(builtins)
+
+    # ------------------------------------------------------------ Mapping
+    def __getitem__(self, name: str) -> Any:
+        entry = self._entries[name]
+        if isinstance(entry, str) and name in self._builtins:
+            module, _, attr = entry.partition(":")
+            entry = getattr(importlib.import_module(module), attr)
+            self._entries[name] = entry
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------ use
+    def get_checked(self, name: str) -> Any:
+        """The implementation of `name`; an unknown name is one line with the choices."""
+        if name not in self._entries:
+            raise AppoError(f"unknown {self.what} {name!r} (choose from {', '.join(self)})")
+        return self[name]
+
+    def is_builtin(self, name: str) -> bool:
+        return name in self._builtins
+
+    def name_of(self, obj: Any) -> str | None:
+        """The name `obj` is registered under (a built-in already imported counts)."""
+        for name in self._entries:
+            if self[name] is obj:
+                return name
+        return None
+
+    def register(self, name: str, obj: Any) -> Any:
+        """Make `obj` usable as `<key>=name`; returns `obj` (so it works as a decorator's
+        body). Refused with one line: a name that is no identifier-like word, a built-in's
+        name, or a name another object already holds."""
+        if not isinstance(name, str) or not name.strip() or any(c in name for c in " =,\n"):
+            raise AppoError(f"register a {self.what}: bad name {name!r} (a word such as "
+                            "'my_strategy')")
+        if not callable(obj):
+            raise AppoError(f"register a {self.what} {name!r}: {type(obj).__name__} is not "
+                            "callable")
+        if name in self._builtins:
+            raise AppoError(f"register a {self.what} {name!r}: that is a built-in's name "
+                            f"(built-ins: {', '.join(self._builtins)}); choose another")
+        old = self._entries.get(name)
+        if old is not None and old is not obj and qualified_name(old) != qualified_name(obj):
+            raise AppoError(f"register a {self.what} {name!r}: already registered as "
+                            f"{qualified_name(old)}; choose another name")
+        self._entries[name] = obj
+        return obj
+
+    def unregister(self, name: str) -> None:
+        """Remove a user entry (tests, notebooks); built-ins stay."""
+        if name in self._builtins:
+            raise AppoError(f"cannot unregister the built-in {self.what} {name!r}")
+        self._entries.pop(name, None)
+
+
+class Names:
+    """A live, read-only view of a registry's names: what `CHOICES[key]` holds for a key a
+    registry serves, so validation and the reference read the registry itself. Compares
+    equal to a tuple of the same names."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._registry))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registry
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def __getitem__(self, i: int) -> str:
+        return tuple(self._registry)[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Names | tuple | list):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: not a dict key
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+STRATEGIES = Registry("rollout strategy", "rollout.strategy", {
+    "grpo": "appo.rollout.strategies:rollout_grpo",
+    "arpo": "appo.rollout.strategies:rollout_arpo",
+    "aepo": "appo.rollout.strategies:rollout_aepo",
+    "appo": "appo.rollout.strategies:rollout_appo",
+})
+
+
+def register_strategy(name: str, strategy: Any = None) -> Any:
+    """Register a rollout strategy as `rollout.strategy=name`.
+
+    `strategy` has the signature of `appo.rollout.strategies.Strategy`:
+    `(prompts, engine, tools, settings, rng=None, score_fn=None) -> RolloutBatch`. Without
+    it, a decorator: `@register_strategy("fixed")`."""
+    if strategy is None:
+        return lambda fn: STRATEGIES.register(name, fn)
+    return STRATEGIES.register(name, strategy)
+
+
+def get_strategy(name: str) -> Any:
+    """The strategy registered as `name` (built-ins included); unknown: one line."""
+    return STRATEGIES.get_checked(name)
+
+
+REWARDS = Registry("reward function", "custom_reward_function.name", {
+    "deep_research": "appo.rewards.deep_research:deep_research_reward",
+    "math": "appo.rewards.math_reward:math_reward",
+    "qa": "appo.rewards.qa_reward:qa_reward",
+})
+
+
+def register_reward(name: str, fn: Any = None) -> Any:
+    """Register a reward function as `name`: rows whose `data_source` is `name` are scored
+    by it, and `custom_reward_function.name=name` (with no `.path`) scores every row by it.
+
+    `fn` takes verl's `compute_score` parameters by name (`data_source, solution_str,
+    ground_truth, extra_info`; only those it declares) and returns a number or a dict with
+    `score`. Without it, a decorator: `@register_reward("exact")`."""
+    if fn is None:
+        return lambda f: REWARDS.register(name, f)
+    return REWARDS.register(name, fn)
