@@ -95,13 +95,12 @@ def test_tutorial_trains_from_python(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.setenv("APPO_CACHE", str(tmp_path / "cache"))
-    from appo.config import load_config
-    from appo.trainer.loop import RLTrainer
+    import appo
 
-    cfg = load_config("examples/tutorial.yaml",
-                      overrides=[*TINY, "trainer.logger=[]",
-                               f"trainer.default_local_dir={tmp_path / 'run'}"])
-    trainer = RLTrainer(cfg, progress=False)
+    cfg = appo.load_config("examples/tutorial.yaml",
+                           overrides=[*TINY, "trainer.logger=[]",
+                                      f"trainer.default_local_dir={tmp_path / 'run'}"])
+    trainer = appo.RLTrainer(cfg, progress=False)
     history = trainer.fit()
     assert [h["step"] for h in history] == [1]
     assert -1.0 <= history[-1]["reward/mean"] <= 1.0
