@@ -1,5 +1,5 @@
 """What one CPU decode step runs in appo's `hf` engine and in vLLM: evidence for "why vLLM
-decodes faster" (benchmarks/RESULTS.md) that does not depend on the machine being quiet.
+decodes faster" (benchmarks/HISTORY.md) that does not depend on the machine being quiet.
 
 One engine per run, in this process (`benchmarks/engines.py`'s engine set-up and prompts):
 `--rows` rows, a 1-token call and an `--new-tokens` call on the same prompts, each under

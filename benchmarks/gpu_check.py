@@ -157,7 +157,7 @@ def check_engine_logprobs(args, root: Path) -> dict:
     diff = (recomputed - behaviour).abs()[mask]
     trainer.tools.close()
     # bfloat16 autocast against the engine's float32 decode on CUDA: a recompute noise of a
-    # few hundredths (RESULTS.md "recompute noise"); float32 on CPU: rounding only.
+    # few hundredths (HISTORY.md "recompute noise"); float32 on CPU: rounding only.
     tol_mean, tol_max = (0.05, 1.0) if args.device == "cuda" else (1e-4, 1e-3)
     mean, mx = float(diff.mean()), float(diff.max())
     return {"ok": mean < tol_mean and mx < tol_max and len(trajs) > 0,

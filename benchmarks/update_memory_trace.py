@@ -13,7 +13,7 @@ micro-batch sets the update's peak and how much of it comes in the backward.
         --set ppo_max_token_len_per_device=640        # an actor key (JSON value)
     MALLOC_MMAP_THRESHOLD_=2097152 .venv/bin/python benchmarks/update_memory_trace.py ...
 
-Figures: benchmarks/RESULTS.md ("The update's peak, micro-batch by micro-batch").
+Figures: benchmarks/HISTORY.md ("The update's peak, micro-batch by micro-batch").
 """
 
 from __future__ import annotations

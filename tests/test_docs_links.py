@@ -1,7 +1,7 @@
 """Every relative link in the documentation resolves, and the README stays short (issue 42).
 
-Checked: README.md, docs/**/*.md, configs/README.md and benchmarks/RESULTS.md. A relative
-link must name a file or directory that exists; a `#fragment` must match a heading of the
+Checked: README.md, docs/**/*.md, configs/README.md, benchmarks/RESULTS.md and HISTORY.md. A
+relative link must name a file or directory that exists; a `#fragment` must match a heading of the
 target (or of the same file) by GitHub's anchor rule. Links inside code blocks and code
 spans are not links; `http(s):` and `mailto:` links are not checked (no network).
 """
@@ -29,7 +29,8 @@ HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 
 def doc_files() -> list[Path]:
     files = [REPO / "README.md", REPO / "configs" / "README.md",
-             REPO / "benchmarks" / "RESULTS.md", *sorted((REPO / "docs").rglob("*.md"))]
+             REPO / "benchmarks" / "RESULTS.md", REPO / "benchmarks" / "HISTORY.md",
+             *sorted((REPO / "docs").rglob("*.md"))]
     return [f for f in files if f.is_file()]
 
 
