@@ -20,6 +20,7 @@ from appo.tools.executor import ToolCall, ToolExecutor
 from appo.tools.search_cache import SearchCache
 from appo.tools.search_tool import SearchTool
 from cli_runner import run_cli
+from toy_files import make_toy_files
 
 TINY_TRAIN = ["model.path=tiny-test", "data.val_files=[]", "data.train_batch_size=2",
               "data.max_response_length=8", "rollout.strategy=grpo", "rollout.n=2",
@@ -51,11 +52,7 @@ def assert_intact(before: dict[Path, bytes]) -> None:
 
 @pytest.fixture
 def files(tmp_path, monkeypatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("APPO_CACHE", str(tmp_path / "cache"))
-    with open("toy.jsonl", "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"question": f"q{i}?", "answer": "7"}) + "\n")
+    make_toy_files(tmp_path, monkeypatch, reward=False)
     Path("not_utf8.jsonl").write_bytes(b'{"question": "q?", "answer": "1"}\n'
                                        b'{"question": "caf\xe9?", "answer": "2"}\n')
     return tmp_path

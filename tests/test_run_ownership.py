@@ -21,12 +21,7 @@ import pytest
 from appo.cli import main
 from appo.outdir import LOCK_NAME
 from cli_runner import run_cli
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    text = solution_str or ""
-    return sum(c.islower() and c.isascii() for c in text) / max(len(text), 1)
-'''
+from toy_files import make_toy_files
 
 TRAIN = ["train", "model.path=tiny-test", "data.val_files=[]", "data.train_batch_size=2",
          "data.max_response_length=8", "rollout.strategy=grpo", "rollout.n=2",
@@ -37,13 +32,7 @@ TRAIN = ["train", "model.path=tiny-test", "data.val_files=[]", "data.train_batch
 
 @pytest.fixture
 def files(tmp_path, monkeypatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("APPO_CACHE", str(tmp_path / "cache"))
-    with open("toy.jsonl", "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"question": f"q{i}?", "answer": "7"}) + "\n")
-    Path("reward.py").write_text(REWARD)
-    return tmp_path
+    return make_toy_files(tmp_path, monkeypatch)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
