@@ -165,7 +165,7 @@ def test_group_push_delivers_every_weight_in_bounded_buckets_without_a_file(
     finally:
         sync.close()
     assert methods(server)[-1] == "appo_close_weight_group"
-    assert all(getattr(w, "_appo_group") is None for w in workers)
+    assert all(w._appo_group is None for w in workers)
     # no file: neither the weights dir nor anything in the temp dir
     # (torch may leave an empty dir of its own there)
     assert not (tmp_path / "weights").exists()

@@ -192,20 +192,21 @@ def reset_prefix_cache(client: JsonClient, root: str, attempts: int = 5) -> None
         time.sleep(0.5 * (attempt + 1))
 
 
-def probe_extension(root: str, client: JsonClient) -> list[dict[str, Any]] | None:
+def probe_extension(root: str, client: JsonClient, method: str = "appo_weight_group_info"
+                    ) -> list[dict[str, Any]] | None:
     """Each server worker's `{device, dtype, rank}` from appo's worker extension; None when
     the server runs without it (vLLM fails the call: no such method on the worker)."""
     url = f"{root}/collective_rpc"
     try:
-        reply = client.call(url, {"method": "appo_weight_group_info"}, empty_ok=True)
+        reply = client.call(url, {"method": method}, empty_ok=True)
     except HttpError as e:
         if e.status in (404, 405):
             raise AppoError(f"the server has no /collective_rpc route (HTTP {e.status}): "
                             f"weight updates need vLLM's dev mode; {DEV_MODE_HINT}") from None
-        if e.status is None:
-            raise AppoError(f"probing the server at {root} for appo's worker extension "
-                            f"failed: {e}") from None
-        return None
+        if f"has no attribute '{method}'" in str(e):  # vLLM's words for a missing method
+            return None
+        raise AppoError(f"probing the server at {root} for appo's worker extension "
+                        f"failed: {e}") from None
     results = reply.get("results") if isinstance(reply, dict) else None
     if not isinstance(results, list) or not results or not all(
             isinstance(r, dict) and {"device", "dtype", "rank"} <= set(r) for r in results):
