@@ -147,10 +147,20 @@ class GroupLink:
             self.close()
             raise AppoError(f"the server at {self.root} failed to join the weight-transfer "
                             f"group: {box.get('error', 'no answer')}")
+        reply = box.get("reply")
+        backends = [r.get("backend") for r in (reply or {}).get("results") or []
+                    if isinstance(r, dict)]
+        if backends != [self.backend] * len(self.workers):  # every worker, on our backend
+            self.close()
+            raise AppoError(f"the server at {self.root} joined the weight-transfer group "
+                            f"with backends {backends}, expected {self.backend} for each of "
+                            f"its {len(self.workers)} workers")
 
     def push(self, model: Any) -> int:
         """Broadcast `model`'s weights to the server's workers, which load them in place;
         returns the bytes sent."""
+        import torch
+
         from appo.rollout.weight_group import encode_manifest, plan_buckets
 
         if self.group is None:
@@ -160,8 +170,6 @@ class GroupLink:
         thread, box = self._rpc_in_thread("appo_receive_weights",
                                           {"manifest": encode_manifest(buckets)},
                                           self.transfer_timeout_s)
-        import torch
-
         try:
             with torch.no_grad():
                 self.last_bytes = self.group.send(buckets, (t.detach() for t in tensors))

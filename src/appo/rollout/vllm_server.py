@@ -1,7 +1,8 @@
-"""Server mode: wait for a `vllm serve` server and reload its weights from a checkpoint dir.
+"""Server mode: wait for a `vllm serve` server, reload its weights, probe its extension.
 
 The rollout engine in server mode is `appo.rollout.openai_engine.OpenAICompletionsEngine`
-against the server; this module holds the two control operations around it:
+against the server; this module holds the control operations around it (how a sync picks
+between them: `appo.rollout.server_sync`):
 
 - `wait_for_server(base_url, timeout)`: poll `GET /v1/models` until the server answers
   (vLLM serves HTTP only once its engine is up), fail early when the server's process died.
@@ -14,6 +15,10 @@ against the server; this module holds the two control operations around it:
   served architecture, in checkpoint (Hugging Face) names and shapes. Then
   `POST /reset_prefix_cache` drops KV blocks computed with the old weights, so a cached
   prompt prefix is not reused across the update.
+
+- `probe_extension(root, client)`: whether the server's workers run appo's worker extension
+  (`appo.rollout.weight_group.WeightGroupExtension`), which takes weights by broadcast
+  instead of a file, and on which device and dtype; `reset_prefix_cache` after either.
 
 Both routes exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`. vLLM's native
 weight transfer (`/init_weight_transfer_engine`, `/update_weights`, backends nccl and ipc)

@@ -21,7 +21,7 @@ Both sides import it:
   checkpoint names onto fused layers through the model's `load_weights`) and
   `appo_close_weight_group`.
 
-The trainer's half (probe, join from a thread, broadcast) is `appo.rollout.vllm_server`.
+The trainer's half (probe, join from a thread, broadcast) is `appo.rollout.server_sync`.
 Only torch is imported here: the module is loaded inside vLLM's worker processes.
 """
 
