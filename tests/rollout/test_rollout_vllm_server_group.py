@@ -380,3 +380,29 @@ def test_a_gpu_server_and_a_cpu_policy_fall_back_to_the_file_or_refuse(
     with pytest.raises(AppoError, match=r"^rollout.weight_transfer=group: .*on cuda:0 and the "
                        r"policy on cpu: NCCL needs .*weight_transfer=file$"):
         make_sync(server, tmp_path, mode="group").sync(tiny_model())
+
+
+def test_the_config_key_reaches_the_trainers_engine(servers, tmp_path):
+    """`rollout.weight_transfer` from the config to `build_engine`'s server engine, whose
+    `sync_weights` (the trainer's call) then takes that route."""
+    from appo.config import load_config
+    from appo.rollout import build_engine
+
+    worker = FakeWorker(0)
+    server = servers([worker])
+    lm = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=None))
+    model = tiny_model()
+    for mode, route in (("group", "group"), ("file", "file")):
+        cfg = load_config(overrides=[
+            "model.path=tiny-test", "rollout.name=openai", f"rollout.base_urls=['{server.url}']",
+            f"rollout.weight_transfer={mode}", f"trainer.default_local_dir={tmp_path / mode}"])
+        engine = build_engine(cfg, lm)
+        assert engine.weight_transfer == mode
+        try:
+            engine.sync_weights(model)
+            assert engine.weight_sync.routes == {server.url: route}
+        finally:
+            engine.close()
+        written = (tmp_path / mode / "rollout_weights" / "model.safetensors").is_file()
+        assert written == (mode == "file")
+    assert set(worker.loaded) == set(model.state_dict())

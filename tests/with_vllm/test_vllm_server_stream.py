@@ -2,7 +2,7 @@
 
 One server for the module (SmolLM2-135M, float32, CPU, 127.0.0.1), started with
 `--worker-extension-cls appo.rollout.weight_group.WeightGroupExtension`, this tree's `appo`
-first on its PYTHONPATH (checked: the probe answers, so the extension loaded) and its own
+first on its PYTHONPATH (checked: the probe names the file it was loaded from) and its own
 temp dir. It checks that:
 - `ServerWeightSync` with `rollout.weight_transfer=auto` picks the group for a local server
   with the extension, and after a push of a changed policy the server's log-probs equal a
@@ -11,6 +11,8 @@ temp dir. It checks that:
 - no file is written on either side: the trainer's temp dir and weights dir, the server's
   temp dir and model dir are the same before and after the pushes (names, sizes, times);
 - the OpenAI engine's `sync_weights` (the trainer's call) goes the same way;
+- `appo train rollout.name=openai rollout.weight_transfer=group` trains against the server:
+  step 2 samples from the step-1 policy, pushed without a file;
 - vLLM's answer for a method its workers lack is read as "no extension" (what a server
   started without it answers to the probe).
 
@@ -137,6 +139,7 @@ def test_group_push_serves_the_new_weights_with_no_file(stream_server, tmp_path,
     # the extension is loaded (from this tree: the server's PYTHONPATH starts with it)
     [info] = probe_extension(stream_server["url"], JsonClient(timeout=60.0, retries=0))
     assert info["device"] == "cpu" and info["dtype"] == "float32"
+    assert Path(info["source"]).resolve() == SRC / "appo" / "rollout" / "weight_group.py"
 
     old_hf = _hf_logprobs(model, ids)
     old_server = _server_logprobs(stream_server, ids)
@@ -189,3 +192,41 @@ def test_a_server_without_the_method_reads_as_no_extension(stream_server):
     client = JsonClient(timeout=60.0, retries=0)
     assert probe_extension(stream_server["url"], client, "appo_no_such_method") is None
     assert probe_extension(stream_server["url"], client) is not None
+
+
+def test_train_against_the_server_pushes_the_policy_through_the_group(stream_server,
+                                                                     tmp_path):
+    """`appo train rollout.name=openai rollout.weight_transfer=group`: after each update the
+    trainer broadcasts the policy (a fresh join: the earlier tests closed theirs), so step
+    2's rollout log-probs are the step-1 checkpoint's, and no weights dir is written."""
+    from appo.cli import main
+    from appo.models import load_model
+    from appo.rollout.records import read_jsonl
+
+    out = tmp_path / "run"
+    args = ["train", "model.path=smollm2-135m", "rollout.name=openai",
+            f"rollout.base_urls=['{stream_server['url']}']", "rollout.weight_transfer=group",
+            "rollout.strategy=grpo", "rollout.n=2", "data.template=math",
+            "tools.enabled=[python]",
+            "data.train_files=['synth:arith?split=train&levels=1&n=8']",
+            "data.train_batch_size=2", "data.max_response_length=48",
+            # the entropy bonus keeps the update non-zero when a group's advantages are 0
+            "actor.optim.lr=1e-4", "actor.entropy_coeff=0.01", "trainer.save_freq=1",
+            "trainer.total_steps=2", f"trainer.default_local_dir={out}",
+            f"trainer.rollout_data_dir={out / 'rollouts'}"]
+    assert main(args) == 0
+    assert not (out / "rollout_weights").exists()  # the file route's dir: never made
+    trajs = read_jsonl(out / "rollouts" / "step_00002.jsonl")
+    gaps = {}
+    for name, path in (("step1", out / "global_step_1"), ("base", "smollm2-135m")):
+        model = load_model(str(path), device="cpu").model
+        worst = 0.0
+        for t in trajs:
+            hf = _hf_logprobs(model, t.prompt_ids + t.response_ids)
+            p = len(t.prompt_ids)
+            for k, sampled in enumerate(t.sampled_mask()):
+                if sampled and t.logp_rollout[k] != 0.0:  # 0: the engine's own stop tokens
+                    worst = max(worst, abs(hf[p + k - 1] - t.logp_rollout[k]))
+        gaps[name] = worst
+    assert gaps["step1"] <= TOL, gaps
+    assert gaps["base"] > 10 * TOL, gaps  # a server that missed the push would be stale

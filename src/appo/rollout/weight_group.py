@@ -260,7 +260,8 @@ class WeightGroupExtension:
         """The probe: where this worker's weights live and in which dtype."""
         return {"device": str(self.device), "rank": int(self.rank),
                 "dtype": dtype_name(self.model_config.dtype),
-                "joined": getattr(self, "_appo_group", None) is not None}
+                "joined": getattr(self, "_appo_group", None) is not None,
+                "source": __file__}  # which appo the server imported
 
     def appo_join_weight_group(self, host: str, port: int, world_size: int,
                                timeout_s: float = 120.0) -> dict[str, Any]:
