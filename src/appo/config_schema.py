@@ -179,13 +179,19 @@ class RolloutConfig:
     # otherwise reserve most of the RAM), gpu_memory_utilization decides on GPUs
     kv_cache_gib: float | None = None
     # openai engine (server mode): the servers' base URLs (e.g. vllm serve processes), rows
-    # spread over them by prompt group; after each update the policy is saved to
-    # weights_dir (null: <trainer.default_local_dir>/rollout_weights), which every server
-    # must be able to read, and each server reloads it (vLLM dev mode)
+    # spread over them by prompt group; after each update the policy goes to every server
+    # (vLLM dev mode) as weight_transfer says: broadcast, or saved to weights_dir and
+    # reloaded by the server
     base_urls: list[str] = field(default_factory=list)
     # openai engine: where the policy is saved after each update for the servers to reload;
     # null: <trainer.default_local_dir>/rollout_weights.
     weights_dir: str | None = None
+    # openai engine: how the policy reaches the servers after each update. group: broadcast
+    # through a process group with the server's workers (gloo on CPU, NCCL on GPUs; the
+    # server runs --worker-extension-cls appo.rollout.weight_group.WeightGroupExtension),
+    # no file; file: saved to weights_dir and reloaded by each server; auto: group for a
+    # server on this machine that has the extension, file otherwise.
+    weight_transfer: str = "auto"
     # vllm engine: GPUs one engine spans (tensor parallelism).
     tensor_model_parallel_size: int = 1
     # vllm engine: reuse the KV cache of shared prefixes (a group's prompt, a branch's
@@ -422,6 +428,7 @@ CHOICES: dict[str, tuple[str, ...] | Names] = {
     "rollout.strategy": Names(STRATEGIES),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),
+    "rollout.weight_transfer": ("auto", "file", "group"),
     "tools.format": ("tags", "hermes"),
     "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo", "gae"),
     "actor.policy_loss": ("vanilla", "entropy_balanced", "future_kl"),

@@ -369,7 +369,8 @@ def test_grpo_tool_loop_on_server_token_ids(server, tok):
 
 def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
     """Rows go to the servers in turn by root (forks stay on their parent's server, where
-    the shared prefix is cached); `sync_weights` saves once and has every server reload."""
+    the shared prefix is cached); `sync_weights` saves once and has every server reload
+    (servers without appo's worker extension: the file route)."""
     reloads: dict[int, list] = {0: [], 1: []}
     servers = []
     for i in range(2):
@@ -396,7 +397,10 @@ def test_several_servers_split_rows_by_prompt_and_reload_each(tok, tmp_path):
         model = torch.nn.Linear(2, 2)
         engine.sync_weights(model)
         for i in range(2):
-            [body] = reloads[i]
+            # rollout.weight_transfer=auto probes for appo's worker extension first; this
+            # server answers without it, so the weights go through the file
+            probe, body = reloads[i]
+            assert probe["method"] == "appo_weight_group_info"
             assert body["method"] == "reload_weights"
             assert body["kwargs"] == {"weights_path": str((tmp_path / "w").resolve())}
         assert engine.weight_syncs == 1

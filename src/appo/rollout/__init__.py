@@ -122,4 +122,5 @@ def _server_engine(cfg: Any, lm: Any):
     weights_dir = Path(r.weights_dir or Path(run_dir) / "rollout_weights")
     return OpenAICompletionsEngine(list(r.base_urls), lm.tokenizer, logprobs=20,
                                    seed=int(r.seed),
-                                   weights_dir=str(weights_dir.expanduser().resolve()))
+                                   weights_dir=str(weights_dir.expanduser().resolve()),
+                                   weight_transfer=r.weight_transfer)

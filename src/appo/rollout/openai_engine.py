@@ -78,6 +78,7 @@ class OpenAICompletionsEngine(TableRows):
         client: JsonClient | None = None,
         token_ids: bool = True,
         weights_dir: str | None = None,
+        weight_transfer: str = "auto",
     ):
         if prompt_format not in PROMPT_FORMATS:
             raise AppoError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
@@ -105,6 +106,8 @@ class OpenAICompletionsEngine(TableRows):
         self._requests = 0
         self._roots = 0
         self.weights_dir = weights_dir  # where sync_weights saves the policy for the servers
+        self.weight_transfer = weight_transfer  # rollout.weight_transfer: auto, file, group
+        self.weight_sync: Any = None  # the ServerWeightSync, made at the first sync
         self.weight_syncs = 0
 
     # ------------------------------------------------------------------ rows
@@ -119,19 +122,23 @@ class OpenAICompletionsEngine(TableRows):
         return rid
 
     def sync_weights(self, model: Any) -> None:
-        """Save `model` to `weights_dir` (safetensors, Hugging Face names) and have every
-        server reload from it (`appo.rollout.vllm_server.reload_server_weights`: vLLM's dev
-        route, then a prefix-cache reset). The servers read the directory, so it must be on
-        a filesystem they share with this process."""
-        from appo.rollout.vllm_server import reload_server_weights, save_state
+        """Bring every server to `model`'s weights (`appo.rollout.server_sync`): broadcast
+        through a process group with the server's workers where the server runs appo's
+        worker extension (no file), else saved to `weights_dir` (safetensors, Hugging Face
+        names) and reloaded by the server from there, which must then share this process's
+        filesystem (`rollout.weight_transfer`). Then each server's prefix cache is reset."""
+        from appo.rollout.server_sync import ServerWeightSync
 
-        if self.weights_dir is None:
-            raise AppoError("the openai engine has no weights_dir to save the policy to for "
-                            "its servers (rollout.weights_dir)")
-        save_state(model, self.weights_dir)
-        for url in self.base_urls:
-            reload_server_weights(url, self.weights_dir)
+        if self.weight_sync is None:
+            self.weight_sync = ServerWeightSync(self.base_urls, self.weights_dir,
+                                                self.weight_transfer)
+        self.weight_sync.sync(model)
         self.weight_syncs += 1
+
+    def close(self) -> None:
+        """Leave the servers' weight-transfer groups, if any were joined."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
 
     def prefill(self, rows: list[int]) -> None:
         """Nothing to do: the server caches prefixes itself (vLLM prefix caching)."""

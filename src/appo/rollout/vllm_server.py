@@ -1,7 +1,8 @@
-"""Server mode: wait for a `vllm serve` server and reload its weights from a checkpoint dir.
+"""Server mode: wait for a `vllm serve` server, reload its weights, probe its extension.
 
 The rollout engine in server mode is `appo.rollout.openai_engine.OpenAICompletionsEngine`
-against the server; this module holds the two control operations around it:
+against the server; this module holds the control operations around it (how a sync picks
+between them: `appo.rollout.server_sync`):
 
 - `wait_for_server(base_url, timeout)`: poll `GET /v1/models` until the server answers
   (vLLM serves HTTP only once its engine is up), fail early when the server's process died.
@@ -14,6 +15,10 @@ against the server; this module holds the two control operations around it:
   served architecture, in checkpoint (Hugging Face) names and shapes. Then
   `POST /reset_prefix_cache` drops KV blocks computed with the old weights, so a cached
   prompt prefix is not reused across the update.
+
+- `probe_extension(root, client)`: whether the server's workers run appo's worker extension
+  (`appo.rollout.weight_group.WeightGroupExtension`), which takes weights by broadcast
+  instead of a file, and on which device and dtype; `reset_prefix_cache` after either.
 
 Both routes exist only when the server runs with `VLLM_SERVER_DEV_MODE=1`. vLLM's native
 weight transfer (`/init_weight_transfer_engine`, `/update_weights`, backends nccl and ipc)
@@ -141,18 +146,7 @@ def reload_server_weights(base_url: str, weights_dir: str | Path,
                       f"reloading weights from {path}",
                       "; the server's weights may be partly replaced: restart it")
     results = reply.get("results") if isinstance(reply, dict) else None
-    # Reset the prefix cache; vLLM answers success=false while blocks are still held by
-    # running requests, and asks callers to retry.
-    for attempt in range(max(1, reset_attempts)):
-        done = _dev_call(client, f"{root}/reset_prefix_cache", {},
-                         "resetting the prefix cache after a weight reload")
-        if done.get("success", True):
-            break
-        if attempt == max(1, reset_attempts) - 1:
-            raise AppoError(f"the server at {root} reloaded the weights but did not reset its "
-                            "prefix cache (requests still running?); cached prefixes may "
-                            "hold old-weight KV")
-        time.sleep(0.5 * (attempt + 1))
+    reset_prefix_cache(client, root, reset_attempts)
     return ReloadResult(path, time.perf_counter() - start,
                         list(results) if isinstance(results, list) else [])
 
@@ -179,3 +173,75 @@ def save_state(model: Any, weights_dir: str) -> None:
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
+
+
+# ---------------------------------------------------------------- weights without a file
+# rollout.weight_transfer: how the policy reaches the servers after an update.
+WEIGHT_TRANSFERS = ("auto", "file", "group")
+EXTENSION = "appo.rollout.weight_group.WeightGroupExtension"
+EXTENSION_HINT = f"start it with --worker-extension-cls {EXTENSION}"
+
+
+def reset_prefix_cache(client: JsonClient, root: str, attempts: int = 5) -> None:
+    """Drop the server's cached KV blocks (computed with the old weights). vLLM answers
+    success=false while blocks are still held by running requests and asks to retry."""
+    for attempt in range(max(1, attempts)):
+        done = _dev_call(client, f"{root}/reset_prefix_cache", {},
+                         "resetting the prefix cache after a weight update")
+        if done.get("success", True):
+            return
+        if attempt == max(1, attempts) - 1:
+            raise AppoError(f"the server at {root} took the new weights but did not reset its "
+                            "prefix cache (requests still running?); cached prefixes may "
+                            "hold old-weight KV")
+        time.sleep(0.5 * (attempt + 1))
+
+
+def probe_extension(root: str, client: JsonClient, method: str = "appo_weight_group_info"
+                    ) -> list[dict[str, Any]] | None:
+    """Each server worker's `{device, dtype, rank}` from appo's worker extension; None when
+    the server runs without it (vLLM fails the call: no such method on the worker)."""
+    url = f"{root}/collective_rpc"
+    try:
+        reply = client.call(url, {"method": method}, empty_ok=True)
+    except HttpError as e:
+        if e.status in (404, 405):
+            raise AppoError(f"the server has no /collective_rpc route (HTTP {e.status}): "
+                            f"weight updates need vLLM's dev mode; {DEV_MODE_HINT}") from None
+        if f"has no attribute '{method}'" in str(e):  # vLLM's words for a missing method
+            return None
+        raise AppoError(f"probing the server at {root} for appo's worker extension "
+                        f"failed: {e}") from None
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list) or not results or not all(
+            isinstance(r, dict) and {"device", "dtype", "rank"} <= set(r) for r in results):
+        return None
+    return results
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` names this machine (a loopback or one of its own addresses)."""
+    import ipaddress
+    import socket
+
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    own = {"127.0.0.1", "::1"}
+    try:
+        own |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        pass
+    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in own for a in addrs)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host`: what the server dials to join."""
+    import socket
+
+    if is_local_host(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks a route
+        return str(s.getsockname()[0])
