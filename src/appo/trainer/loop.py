@@ -33,7 +33,7 @@ from appo.algos import AdvantageParams
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
 from appo.trainer.critic import Critic, uses_critic
-from appo.trainer.distributed import DataParallel, rank_device
+from appo.trainer.distributed import DataParallel, GradSync, rank_device
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import (
     fsdp_offload,
@@ -133,7 +133,7 @@ class RLTrainer:
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp, temperature=self.train_temperature,
-                                   compute_dtype=self.compute_dtype)
+                                   compute_dtype=self.compute_dtype, ddp=self.grad_sync)
             # Not needed before the next update: free them for the rollout and evaluation.
             self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
@@ -356,7 +356,9 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = apply_lora(self.model, cfg.model)  # None: full fine-tuning
         if cfg.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # Non-reentrant: a reentrant backward marks DDP's parameters ready twice.
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
         memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb)
@@ -446,6 +448,9 @@ class RLTrainer:
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
                                         announce=self.dp.is_main, config=to_container(cfg),
                                         parts=self._parts(), lora=self.lora)
+        # Several processes without FSDP: torch's DDP sums the policy's gradients, built
+        # once (its constructor broadcasts rank 0's weights) around the resumed weights.
+        self.grad_sync = GradSync(self.model) if self.dp.enabled and not self.fsdp else None
         # The update's token budget from a memory target, or capped by an activation share.
         budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp)
         if self.critic is not None and cfg.critic.ppo_max_token_len_per_device is None:
