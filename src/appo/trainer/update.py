@@ -11,6 +11,8 @@ place the loss's scalar parameters are taken from it. The mathematics is `appo.a
 - loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
   so the value and gradient do not depend on micro-batch or rank splits;
 - rows without a trained token (APPO branch rows) never enter the loss;
+- gradients are summed over ranks by torch's DDP (`appo.trainer.distributed.GradSync`: one
+  all-reduce pass per optimizer step, in its last micro-batch's backward) or by FSDP;
 - `future_kl`'s sequence filter (docs/algorithms.md §4.3) removes rows from the policy loss
   and its normaliser: after the update's first optimizer step the policy has moved, so a
   no-grad pass over the mini-batch decides the kept rows before its normaliser is counted
