@@ -152,12 +152,13 @@ class Critic:
         if cfg.critic.model.path is None:
             backbone = copy.deepcopy(policy_lm.model)
         else:
-            from appo.models import load_model
+            from appo.trainer.load_once import load_once
             from appo.trainer.precision import master_dtype
 
-            lm = load_model(cfg.critic.model.path, dtype=master_dtype(cfg),
-                            device=str(next(policy_lm.model.parameters()).device),
-                            trust_remote_code=cfg.model.trust_remote_code)
+            # Several processes: a model directory's weights are read by rank 0 alone.
+            lm = load_once(cfg.critic.model.path, DataParallel(), dtype=master_dtype(cfg),
+                           device=str(next(policy_lm.model.parameters()).device),
+                           trust_remote_code=cfg.model.trust_remote_code)
             if len(lm.tokenizer) != len(policy_lm.tokenizer):
                 raise AppoError(f"critic.model.path {cfg.critic.model.path!r} has a vocabulary "
                                 f"of {len(lm.tokenizer)} tokens, the policy "

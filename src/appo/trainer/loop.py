@@ -329,7 +329,6 @@ class RLTrainer:
     def _setup(self, lm) -> None:
         """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
         from appo.data.rl import report_overlong, rl_data_from_config
-        from appo.models import load_model
         from appo.models.lora import apply_lora
         from appo.rewards import router_from_config
         from appo.rollout import RolloutSettings, build_engine
@@ -337,6 +336,7 @@ class RLTrainer:
         from appo.rollout.template_check import check_call_format
         from appo.tools.registry import build_tools
         from appo.trainer.checkpoint import resume_training
+        from appo.trainer.load_once import load_once
         from appo.trainer.metrics import MetricsLogger
         from appo.trainer.plan_run import startup_plan
 
@@ -347,7 +347,9 @@ class RLTrainer:
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         if lm is None:  # on CUDA: the memory plan, before anything is loaded (plan_run.py)
             startup_plan(cfg, self.dp.world, self.fsdp)
-        self.lm = lm or load_model(cfg.model.path, dtype=master_dtype(cfg), device=device)
+        # Several processes: a model directory's weights are read by rank 0 alone (load_once).
+        self.lm = lm or load_once(cfg.model.path, self.dp, dtype=master_dtype(cfg),
+                                  device=device)
         self.model = self.lm.model
         # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
         self.compute_dtype = (train_compute_dtype(cfg)

@@ -1,0 +1,81 @@
+"""Weights read once under several processes (`appo.trainer.load_once`): rank 0 reads a Hugging
+Face directory, the other ranks build the architecture and receive exact copies; a directory
+only rank 0 finds broken fails on every rank with one line instead of a hang."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from appo.models import load_model
+from appo.trainer.distributed import DataParallel
+from appo.trainer.load_once import load_once, reads_once
+
+sys.path.insert(0, str(Path(__file__).parent))
+from two_procs import accelerate_launch  # noqa: E402
+
+
+def _hf_dir(where: Path) -> Path:
+    lm = load_model("tiny-test")
+    out = where / "tiny-hf"
+    lm.model.generation_config.eos_token_id = 7  # something from_config would not know
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return out
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def test_one_process_loads_as_load_model(tmp_path):
+    model_dir = _hf_dir(tmp_path)
+    assert not reads_once(str(model_dir), DataParallel())
+    got, want = load_once(str(model_dir), DataParallel(), device="cpu"), load_model(
+        str(model_dir), device="cpu")
+    for name, t in _full_state(want.model).items():
+        assert torch.equal(_full_state(got.model)[name], t), name
+
+
+def test_the_other_ranks_model_has_the_loaded_ones_tensors(tmp_path):
+    """What the other ranks build without reading the weights: the same parameters (the
+    head tied again after `to_empty`), buffers, shapes and dtypes, in the same order (the
+    broadcasts pair them by position)."""
+    from appo.trainer.load_once import _layout, _skeleton
+
+    model_dir = _hf_dir(tmp_path)
+    built = _skeleton(str(model_dir), "float32", "cpu", False).model
+    loaded = load_model(str(model_dir), device="cpu").model
+    assert _layout(built) == _layout(loaded)
+    assert built.get_output_embeddings().weight is built.get_input_embeddings().weight
+    assert built.generation_config.eos_token_id == 7
+
+
+def test_two_processes_read_the_weights_once_and_agree_on_errors(tmp_path):
+    model_dir = _hf_dir(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = tmp_path / "ranks.pt"
+    r = accelerate_launch(str(Path(__file__).parent / "ddp_load_worker.py"), str(out),
+                          str(model_dir), str(broken))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = sorted(torch.load(out), key=lambda x: x["rank"])
+    want = load_model(str(model_dir), device="cpu")
+    want_state = _full_state(want.model)
+    assert [len(x["reads"]) for x in ranks] == [1, 0]  # rank 0 alone read the weights
+    for x in ranks:
+        assert set(x["state"]) == set(want_state)
+        for name, t in want_state.items():
+            assert torch.equal(x["state"][name], t), (x["rank"], name)  # buffers included
+        assert x["tied"]
+        assert x["eos"] == want.model.generation_config.eos_token_id == 7
+        assert x["attn"] == want.model.config._attn_implementation
+        assert x["pad"] == want.tokenizer.pad_token_id
+        # The broken weights file: rank 0's read failed, and every rank raised its line.
+        assert x["error"] is not None and x["error"].startswith(
+            f"cannot load model from {broken}"), x["error"]
