@@ -79,3 +79,26 @@ def test_two_processes_read_the_weights_once_and_agree_on_errors(tmp_path):
         # The broken weights file: rank 0's read failed, and every rank raised its line.
         assert x["error"] is not None and x["error"].startswith(
             f"cannot load model from {broken}"), x["error"]
+
+
+def test_a_two_process_ddp_run_from_a_model_directory(tmp_path):
+    """The trainer's call sites (the policy, and a critic from `critic.model.path`) under
+    DDP: a `gae` run from a model directory, both models shared from rank 0."""
+    import json
+
+    from test_trainer_rl import make_toy
+
+    toy = make_toy(tmp_path)
+    model_dir = _hf_dir(tmp_path)
+    run = tmp_path / "run"
+    r = accelerate_launch(
+        "-m", "appo.cli", "train", f"model.path={model_dir}", f"critic.model.path={model_dir}",
+        f"data.train_files=[{toy['data']}]", "data.val_files=[]", "data.train_batch_size=2",
+        "data.max_response_length=16", f"custom_reward_function.path={toy['reward']}",
+        "rollout.n=2", "actor.ppo_mini_batch_size=2", "algorithm.adv_estimator=gae",
+        f"trainer.default_local_dir={run}", "trainer.logger=[jsonl]", "trainer.parallel=ddp",
+        "trainer.total_steps=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1]
+    assert rows[0]["critic/vf_loss"] > 0 and rows[0]["rollout/trajectories"] == 4
