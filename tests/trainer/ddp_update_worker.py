@@ -15,7 +15,7 @@ from test_trainer_rl import _fixed_rows  # noqa: E402
 
 from appo.config import ActorConfig  # noqa: E402
 from appo.models import load_model  # noqa: E402
-from appo.trainer.distributed import DataParallel  # noqa: E402
+from appo.trainer.distributed import DataParallel, GradSync  # noqa: E402
 from appo.trainer.fsdp import full_model_state, shard_model  # noqa: E402
 from appo.trainer.update import update_policy  # noqa: E402
 
@@ -35,8 +35,10 @@ def one_update(mode: str) -> dict:
     # SGD, not AdamW: the test compares the weights with a single process summing in another
     # order, which only SGD keeps within float32 rounding (test_trainer_critic.with_sgd).
     opt = torch.optim.SGD(lm.model.parameters(), lr=0.1)
+    # DDP: torch's DistributedDataParallel, built once as the trainer does.
+    sync = GradSync(lm.model) if mode == "ddp" else None
     metrics = update_policy(lm.model, opt, rows.select(mine), actor, max_response_length=384,
-                            dp=dp, fsdp=mode == "fsdp")
+                            dp=dp, fsdp=mode == "fsdp", ddp=sync)
     params = ([v for v in full_model_state(lm.model).values()] if mode == "fsdp"
               else [p.detach() for p in lm.model.parameters()])
     names = (list(full_model_state(lm.model)) if mode == "fsdp"

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, sys.argv[2])  # the tests/trainer directory, for the shared set-up
 from test_trainer_lora_parallel import lora_update_setup  # noqa: E402
 
-from appo.trainer.distributed import DataParallel  # noqa: E402
+from appo.trainer.distributed import DataParallel, GradSync  # noqa: E402
 from appo.trainer.fsdp import full_model_state, shard_model  # noqa: E402
 from appo.trainer.update import update_policy  # noqa: E402
 
@@ -29,8 +29,10 @@ def one_update(mode: str) -> dict:
     if mode == "fsdp":
         shard_model(lora.model, dp.world)
     opt = torch.optim.SGD(lora.trainable(), lr=0.1)  # as the test's single process (see there)
+    # DDP: torch's DistributedDataParallel (only the adapter's parameters require grads).
+    sync = GradSync(lora.model) if mode == "ddp" else None
     metrics = update_policy(lora.model, opt, rows.select(mine), actor, max_response_length=384,
-                            dp=dp, fsdp=mode == "fsdp")
+                            dp=dp, fsdp=mode == "fsdp", ddp=sync)
     # Every rank (under FSDP these are collectives): merge, gather the adapter and the model.
     merged = {n: p.detach().clone() for n, p in lora.rollout_model().named_parameters()}
     adapter = lora.adapter_state()

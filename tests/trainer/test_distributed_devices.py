@@ -3,7 +3,7 @@
 What only an 8-GPU node would show: each rank pinned to its LOCAL_RANK device before the
 group starts (`device_id`), a CPU backend beside NCCL for the object and CPU collectives,
 every collective's tensor on a device its backend serves, and the model on the rank's
-device whatever `model.device` says. Also the coalesced gradient sum (`grad_buckets`).
+device whatever `model.device` says. (The gradient sum is torch's DDP: test_ddp_sync.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from appo.trainer import distributed
-from appo.trainer.distributed import DataParallel, grad_buckets, init_process_group, rank_device
+from appo.trainer.distributed import DataParallel, init_process_group, rank_device
 
 
 class FakeDist:
@@ -130,36 +130,6 @@ def test_rank_device_leaves_cpu_and_single_process_runs_alone(fake_cuda):
     assert rank_device("cpu", distributed=True) == "cpu"
     assert rank_device("cuda", distributed=False) == "cuda"
     assert rank_device("auto", distributed=False) == "auto"
-
-
-def test_grad_buckets_by_hand():
-    f32 = [torch.zeros(n) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
-    half = torch.zeros(8, dtype=torch.bfloat16)  # its own dtype: its own bucket
-    buckets = grad_buckets([f32[0], half, f32[1], f32[2], f32[3]], limit_bytes=100)
-    as_sizes = [[t.numel() for t in b] for b in buckets]
-    # 40 + 40 fit; the 120-byte tensor closes that bucket and is one of its own; 20 starts
-    # another after it; the open buckets close at the end in the order their (device, dtype)
-    # first appeared: float32's, then bfloat16's.
-    assert as_sizes == [[10, 10], [30], [5], [8]]
-
-
-def test_coalesced_gradient_sum_equals_the_per_parameter_sum(monkeypatch):
-    fake = FakeDist()
-    fake.init_process_group("gloo")
-    dp = _dp(fake)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p)
-    before = [p.grad.clone() for p in params]
-    params[-1].grad = None  # a parameter without a gradient counts as zeros
-    dp.average_gradients(params, bucket_mb=1e-4)  # 104 bytes: several buckets
-    n_reduces = sum(1 for c in fake.calls if c[0] == "all_reduce")
-    assert 1 < n_reduces < len(params)
-    for p, g in zip(params[:-1], before[:-1], strict=True):
-        assert torch.equal(p.grad, 2 * g)  # the fake's two identical ranks
-    assert torch.equal(params[-1].grad, torch.zeros_like(params[-1]))
 
 
 def test_from_env_starts_the_group_through_init_process_group(monkeypatch):

@@ -6,7 +6,10 @@ head on its final hidden states. Each step it gives the rollout batch its values
 gradient, before the actor update: `values`) and is trained on verl's clipped value loss
 (`update`), batched as the actor is (`appo.trainer.update`): mini-batches of whole prompt
 groups, micro-batches under a token budget with the shared-prefix forward, token-mean
-normalisers counted over the whole mini-batch and every rank, gradients summed over ranks.
+normalisers counted over the whole mini-batch and every rank, gradients summed over ranks
+(under several processes without FSDP by torch's `DistributedDataParallel`,
+`appo.trainer.distributed.GradSync`, built with the critic; the backbone's LM head, which the
+value model never uses, is left out of it when it is not tied to the embeddings).
 Under `trainer.parallel=fsdp` the critic is sharded as the policy is (`appo.trainer.fsdp`:
 one unit per decoder layer, the rest with the value head in the root unit; loss scaled by
 the world size; idle passes keep ranks in step; whole states gathered for checkpoints).
@@ -33,7 +36,7 @@ from appo.algos import (
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch
 from appo.trainer.checkpoint import TrainedPart
-from appo.trainer.distributed import DataParallel
+from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import shard_model, to_float
 from appo.trainer.guards import CRITIC_HINT, check_finite
@@ -85,10 +88,23 @@ class ValueModel(nn.Module):
     def idle_pass(self, backward: bool) -> None:
         """A one-token forward (and backward) that contributes nothing, to keep FSDP ranks'
         collectives in step (`appo.trainer.fsdp.idle_step` for the policy)."""
-        one = torch.ones(1, dtype=torch.long)
-        values, _ = self(torch.zeros((1, 1), dtype=torch.long), one, one, one, False)
+        values = self.idle_values()
         if backward:
             (values.sum() * 0.0).backward()
+
+    def idle_values(self) -> Tensor:
+        """Values of a one-token row: a forward through every parameter the critic uses."""
+        one = torch.ones(1, dtype=torch.long)
+        return self(torch.zeros((1, 1), dtype=torch.long), one, one, one, False)[0]
+
+    def unused_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters no forward uses: the backbone's LM head when it is not the
+        input embedding (values come from the final hidden states)."""
+        head = self.backbone.get_output_embeddings()
+        emb = self.backbone.get_input_embeddings()
+        if head is None or head.weight is emb.weight:
+            return []
+        return [p for p in head.parameters() if p.requires_grad]
 
 
 class Critic:
@@ -97,10 +113,14 @@ class Critic:
     def __init__(self, model: ValueModel, cfg: Any, total_steps: int,
                  compute_dtype: torch.dtype | None = None, fsdp: bool = False):
         """`fsdp`: `model` is sharded (`from_config`); the optimizer is built here, on
-        its (sharded) parameters."""
+        its (sharded) parameters. Several processes without FSDP: the model's
+        `DistributedDataParallel` wrapper is built here, once."""
         c, a = cfg.critic, cfg.actor
         self.model = model
         self.fsdp = fsdp
+        dp = DataParallel()
+        self.sync = (GradSync(model, ignore=model.unused_parameters())
+                     if dp.enabled and not fsdp else None)
         self.cliprange_value = float(c.cliprange_value)
         self.grad_clip = float(c.grad_clip)
         self.epochs = c.ppo_epochs if c.ppo_epochs is not None else a.ppo_epochs
@@ -132,12 +152,13 @@ class Critic:
         if cfg.critic.model.path is None:
             backbone = copy.deepcopy(policy_lm.model)
         else:
-            from appo.models import load_model
+            from appo.trainer.load_once import load_once
             from appo.trainer.precision import master_dtype
 
-            lm = load_model(cfg.critic.model.path, dtype=master_dtype(cfg),
-                            device=str(next(policy_lm.model.parameters()).device),
-                            trust_remote_code=cfg.model.trust_remote_code)
+            # Several processes: a model directory's weights are read by rank 0 alone.
+            lm = load_once(cfg.critic.model.path, DataParallel(), dtype=master_dtype(cfg),
+                           device=str(next(policy_lm.model.parameters()).device),
+                           trust_remote_code=cfg.model.trust_remote_code)
             if len(lm.tokenizer) != len(policy_lm.tokenizer):
                 raise AppoError(f"critic.model.path {cfg.critic.model.path!r} has a vocabulary "
                                 f"of {len(lm.tokenizer)} tokens, the policy "
@@ -145,7 +166,9 @@ class Critic:
                                 "token ids")
             backbone = lm.model
             if cfg.model.enable_gradient_checkpointing:  # the copy above inherits it
-                backbone.gradient_checkpointing_enable()
+                # Non-reentrant: a reentrant backward marks DDP's parameters ready twice.
+                backbone.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
         backbone.requires_grad_(True)  # actor.freeze_embeddings is the policy's
         model = ValueModel(backbone)
         if fsdp:
@@ -185,6 +208,7 @@ class Critic:
         """`epochs` x mini-batches of this rank's rows (`batch.values` filled) on the clipped
         value loss against the GAE returns; one optimizer step each."""
         dp = dp or DataParallel()
+        check_grad_sync(dp, self.fsdp, self.sync, "the critic update")
         if batch.values is None:
             raise AppoError("the critic update needs the batch's values (Critic.values)")
         _, returns = gae_advantages_and_returns(
@@ -208,13 +232,15 @@ class Critic:
                 # Decided before any pass runs, or FSDP's collectives would interleave.
                 idle = self._idle_passes(len(plan.batches), dp)
                 self.optimizer.zero_grad(set_to_none=True)
-                for idx in plan.batches:
-                    sums.update(self._micro_step(mini.select(idx), agg,
-                                                 float(dp.world) if self.fsdp else 1.0))
+                # FSDP and DDP average over ranks where the sum is wanted.
+                scale = float(dp.world) if self.fsdp or self.sync is not None else 1.0
+                for k, idx in enumerate(plan.batches):
+                    sums.update(self._micro_step(mini.select(idx), agg, scale,
+                                                 sync=k == len(plan.batches) - 1))
                 for _ in range(idle):
                     self.model.idle_pass(backward=True)
-                if not self.fsdp:  # FSDP reduces the gradients itself
-                    dp.average_gradients(self.params)
+                if self.sync is not None and not plan.batches:  # every rank syncs once
+                    self.sync.idle(ValueModel.idle_values)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
                 check_finite(hint=CRITIC_HINT, **{"critic/grad_norm": to_float(grad_norm)})
                 self.optimizer.step()
@@ -237,11 +263,16 @@ class Critic:
         """Passes this rank runs idle: under FSDP every rank runs as many as the busiest."""
         return dp.max_int(passes) - passes if self.fsdp else 0
 
-    def _micro_step(self, mb: TrainBatch, agg: LossAgg, loss_scale: float) -> dict[str, float]:
-        """`loss_scale`: the world size under FSDP, which averages gradients over ranks where
-        the sum is wanted (`appo.trainer.fsdp`)."""
-        vpreds, valid = self.model.response_values(mb, self.share_prefix, self.compute_dtype,
-                                                   self.tree)
+    def _micro_step(self, mb: TrainBatch, agg: LossAgg, loss_scale: float,
+                    sync: bool = True) -> dict[str, float]:
+        """`loss_scale`: the world size under FSDP or DDP, which average gradients over ranks
+        where the sum is wanted (`appo.trainer.fsdp`). Under DDP the forward runs through
+        its wrapper, all-reducing in the backward when `sync` (the step's last micro-batch)."""
+        def forward(model: ValueModel) -> tuple[Tensor, Tensor]:
+            return model.response_values(mb, self.share_prefix, self.compute_dtype, self.tree)
+
+        vpreds, valid = (forward(self.model) if self.sync is None
+                         else self.sync.forward(forward, sync))
         device = vpreds.device
         loss, m = clipped_value_loss(vpreds, mb.values.to(device), mb.returns.to(device),
                                      mb.loss_mask.to(device) * valid, agg=agg,

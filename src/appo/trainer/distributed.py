@@ -6,6 +6,11 @@ on the rows it generated, and gradients are summed once per optimizer step. Loss
 normalisers are global (`appo.algos.LossAgg`), so the update equals the single-process one.
 In one process every collective is a no-op.
 
+Gradients under `trainer.parallel=ddp` are summed by torch's `DistributedDataParallel`
+(`GradSync`): bucketed all-reduces that start while the backward is still running, the same
+code path on CPU (gloo) as on GPUs (NCCL). Under FSDP, `fully_shard` reduces them
+(`appo.trainer.fsdp`).
+
 Devices: on CUDA each rank is pinned to its `LOCAL_RANK` device before the group exists
 (`torch.cuda.set_device`, `init_process_group(device_id=...)`), and the group has two
 backends, `cpu:gloo,cuda:nccl`: NCCL refuses CPU tensors, and the object collectives and
@@ -17,9 +22,12 @@ on `rank_device(...)`, whatever `model.device` says (`cuda` alone would put ever
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -133,49 +141,95 @@ class DataParallel:
         self.dist.all_reduce(t)
         return t.tolist()
 
-    def average_gradients(self, params: list[torch.nn.Parameter],
-                          bucket_mb: float = 25.0) -> None:
-        """Sum gradients over ranks. Losses carry global normalisers, so the sum is the
-        gradient of the global loss (each rank's loss is its share of it).
 
-        Coalesced as torch's DDP reducer does: gradients of one dtype and device are
-        flattened into buckets of about `bucket_mb` MB, one all-reduce per bucket (a few
-        collectives a step instead of one per parameter), then copied back."""
-        if not self.enabled:
-            return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in grad_buckets([p.grad for p in params], int(bucket_mb * 2**20)):
-            flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else (
-                bucket[0].reshape(-1))
-            self.dist.all_reduce(flat)
-            if len(bucket) > 1:
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-            elif flat.data_ptr() != bucket[0].data_ptr():  # reshape copied: write it back
-                bucket[0].copy_(flat.view_as(bucket[0]))
+class _MicroForward(torch.nn.Module):
+    """What DDP wraps: a module whose one `forward` call runs a whole micro-batch forward.
+
+    DDP's reducer arms its gradient hooks in the wrapper's forward (`prepare_for_backward`)
+    and expects one forward per backward, but a micro-step's forward is not one
+    `model(...)` call (the shared-prefix and tree forwards make one or more model calls, the
+    head runs in chunks outside the model). So the closure that does all of it runs inside
+    this module's forward, and `model` is a submodule, whose parameters DDP registers."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.run: Callable[[torch.nn.Module], Any] | None = None
+
+    def forward(self) -> Any:
+        assert self.run is not None, "GradSync.forward sets the micro-batch's forward"
+        return self.run(self.model)
 
 
-def grad_buckets(grads: list[torch.Tensor], limit_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive gradients grouped by (device, dtype) into buckets of at most
-    `limit_bytes` (a larger tensor is a bucket of its own), in the parameters' order, which
-    every rank shares."""
-    buckets: list[list[torch.Tensor]] = []
-    open_: dict[tuple, tuple[list[torch.Tensor], int]] = {}
-    for g in grads:
-        if g.is_sparse:
-            raise ValueError("average_gradients: sparse gradients are summed densely; "
-                             "densify them first")
-        key = (g.device, g.dtype)
-        bucket, size = open_.get(key, ([], 0))
-        nbytes = g.numel() * g.element_size()
-        if bucket and size + nbytes > limit_bytes:
-            buckets.append(bucket)
-            bucket, size = [], 0
-        bucket.append(g)
-        open_[key] = (bucket, size + nbytes)
-    buckets.extend(b for b, _ in open_.values() if b)
-    return buckets
+class GradSync:
+    """torch's `DistributedDataParallel` around a model, for its updates' micro-steps.
+
+    Built once, when the trainer starts (the constructor broadcasts rank 0's parameters and
+    buffers): `device_ids=None` (no input moving: the micro-batch's forward places its own
+    tensors), no buffer sync in the forwards (`forward_sync_buffers=False`, before torch 2.13
+    `broadcast_buffers=False`: the only buffers are rotary tables, not state),
+    torch's default buckets (25 MB) and `gradient_as_bucket_view=False` (what `appo plan`
+    counts). Every rank syncs exactly once per optimizer step: micro-batches but the last
+    run under `no_sync()` (gradients accumulate locally), the last one syncs, and a rank with
+    no micro-batch in a mini-batch runs one empty synced pass (`idle`).
+
+    DDP averages over ranks; appo's losses carry global normalisers, so the sum is wanted:
+    callers scale the loss by `world` (`loss_scale`), as under FSDP.
+
+    What DDP cannot see: a gradient written into `.grad` outside autograd (the LM head's
+    in-place weight gradient, `actor.grads_in_place`) never fires its hook, and the sync would
+    wait for it forever, so the update turns those off under DDP. `ignore`: trainable
+    parameters the forward never uses (the critic's untied LM head), which DDP would
+    otherwise wait for (`find_unused_parameters=False`: no graph walk per step)."""
+
+    def __init__(self, model: torch.nn.Module, ignore: Iterable[torch.nn.Parameter] = ()):
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = model
+        self._stage = _MicroForward(model)
+        skip = {id(p) for p in ignore}
+        if skip:
+            names = [n for n, p in self._stage.named_parameters() if id(p) in skip]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self._stage, names)
+        # Buffers are not synced in the forwards (torch 2.13 renamed the flag).
+        params = inspect.signature(DistributedDataParallel).parameters
+        buffers = ("forward_sync_buffers" if "forward_sync_buffers" in params
+                   else "broadcast_buffers")
+        self.ddp = DistributedDataParallel(self._stage, device_ids=None, **{buffers: False})
+        self.world = dist.get_world_size()
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor that turns DDP's average into the sum (x2 then /2 is exact in binary)."""
+        return float(self.world)
+
+    def forward(self, run: Callable[[torch.nn.Module], Any], sync: bool) -> Any:
+        """`run(model)` (one micro-batch's whole forward) through DDP; its backward all-reduces
+        the accumulated gradients when `sync`, else only accumulates them locally."""
+        self._stage.run = run
+        try:
+            if sync:
+                return self.ddp()
+            with self.ddp.no_sync():
+                return self.ddp()
+        finally:
+            self._stage.run = None
+
+    def idle(self, run: Callable[[torch.nn.Module], torch.Tensor]) -> None:
+        """One synced pass that adds nothing: `run(model)` must reach every synced parameter
+        (any token through the whole model does); its output times 0 is backpropagated, so
+        this rank's all-reduces match the other ranks' while contributing zeros."""
+        out = self.forward(run, sync=True)
+        (out.sum() * 0.0).backward()
+
+
+def check_grad_sync(dp: DataParallel, fsdp: bool, sync: GradSync | None, what: str) -> None:
+    """Several processes without FSDP need the model's `GradSync`: without it every rank
+    would step on its own gradients."""
+    if dp.enabled and dp.world > 1 and not fsdp and sync is None:
+        from appo.errors import AppoError
+
+        raise AppoError(f"{what}: {dp.world} processes without FSDP need the model's "
+                        "DistributedDataParallel wrapper (appo.trainer.distributed.GradSync)")

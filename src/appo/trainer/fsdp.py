@@ -10,9 +10,9 @@ How the trainer differs under FSDP (and why):
 - The rollout engine needs whole weights; it runs on a full replica of the policy, refreshed
   from the shards (one all-gather) before every rollout that follows an update. On GPUs
   with vLLM this is the weight sync every such system does.
-- Each rank's loss already carries the global normalisers (as in the DDP path), so the
-  gradient wanted is the sum over ranks; FSDP averages, so the loss is scaled by the world
-  size (`set_gradient_divide_factor(1)` would say the same but needs PREMUL_SUM, which gloo
+- Each rank's loss already carries the global normalisers, so the gradient wanted is the
+  sum over ranks; FSDP averages (as torch's DDP does, `appo.trainer.distributed.GradSync`),
+  so the loss is scaled by the world size (`set_gradient_divide_factor(1)` would say the same but needs PREMUL_SUM, which gloo
   lacks).
 - Every rank must run the same number of forward/backward passes (each one gathers
   shards), so ranks with fewer micro-batches run empty ones, and the shared-prefix forward

@@ -33,7 +33,7 @@ from appo.algos import AdvantageParams
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
 from appo.trainer.critic import Critic, uses_critic
-from appo.trainer.distributed import DataParallel, rank_device
+from appo.trainer.distributed import DataParallel, GradSync, rank_device
 from appo.trainer.evaluate import Evaluation, evaluate
 from appo.trainer.fsdp import (
     fsdp_offload,
@@ -134,7 +134,7 @@ class RLTrainer:
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp, temperature=self.train_temperature,
-                                   compute_dtype=self.compute_dtype)
+                                   compute_dtype=self.compute_dtype, ddp=self.grad_sync)
             # Not needed before the next update: free them for the rollout and evaluation.
             self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
@@ -335,7 +335,6 @@ class RLTrainer:
     def _setup(self, lm) -> None:
         """Model, data, tools, rewards, engine, optimizer and resume, in that order."""
         from appo.data.rl import report_overlong, rl_data_from_config
-        from appo.models import load_model
         from appo.models.lora import apply_lora
         from appo.rewards import router_from_config
         from appo.rollout import RolloutSettings, build_engine
@@ -343,6 +342,7 @@ class RLTrainer:
         from appo.rollout.template_check import check_call_format
         from appo.tools.registry import build_tools
         from appo.trainer.checkpoint import resume_training
+        from appo.trainer.load_once import load_once
         from appo.trainer.metrics import MetricsLogger
         from appo.trainer.plan_run import startup_plan
 
@@ -353,7 +353,9 @@ class RLTrainer:
         self.fsdp = fsdp_requested(cfg.trainer.parallel, self.dp.enabled)
         if lm is None:  # on CUDA: the memory plan, before anything is loaded (plan_run.py)
             startup_plan(cfg, self.dp.world, self.fsdp)
-        self.lm = lm or load_model(cfg.model.path, dtype=master_dtype(cfg), device=device)
+        # Several processes: a model directory's weights are read by rank 0 alone (load_once).
+        self.lm = lm or load_once(cfg.model.path, self.dp, dtype=master_dtype(cfg),
+                                  device=device)
         self.model = self.lm.model
         # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
         self.compute_dtype = (train_compute_dtype(cfg)
@@ -362,7 +364,9 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = apply_lora(self.model, cfg.model)  # None: full fine-tuning
         if cfg.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # Non-reentrant: a reentrant backward marks DDP's parameters ready twice.
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
         memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb)
@@ -453,6 +457,9 @@ class RLTrainer:
                                         fsdp=self.fsdp, rollout_model=self.rollout_model,
                                         announce=self.dp.is_main, config=to_container(cfg),
                                         parts=self._parts(), lora=self.lora)
+        # Several processes without FSDP: torch's DDP sums the policy's gradients, built
+        # once (its constructor broadcasts rank 0's weights) around the resumed weights.
+        self.grad_sync = GradSync(self.model) if self.dp.enabled and not self.fsdp else None
         # The update's token budget from a memory target, or capped by an activation share.
         budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp)
         if self.critic is not None and cfg.critic.ppo_max_token_len_per_device is None:

@@ -11,6 +11,8 @@ place the loss's scalar parameters are taken from it. The mathematics is `appo.a
 - loss normalisers are counted once per mini-batch over all ranks (`appo.algos.LossAgg`),
   so the value and gradient do not depend on micro-batch or rank splits;
 - rows without a trained token (APPO branch rows) never enter the loss;
+- gradients are summed over ranks by torch's DDP (`appo.trainer.distributed.GradSync`: one
+  all-reduce pass per optimizer step, in its last micro-batch's backward) or by FSDP;
 - `future_kl`'s sequence filter (docs/algorithms.md §4.3) removes rows from the policy loss
   and its normaliser: after the update's first optimizer step the policy has moved, so a
   no-grad pass over the mini-batch decides the kept rows before its normaliser is counted
@@ -42,7 +44,7 @@ from appo.algos import (
     token_logprobs_and_entropy,
 )
 from appo.trainer.batch import TrainBatch
-from appo.trainer.distributed import DataParallel
+from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_forward, idle_step, to_float
 from appo.trainer.guards import check_finite
@@ -150,6 +152,14 @@ def batched_logprobs(model, batch: TrainBatch, max_tokens: int, chunk_size: int,
     return out
 
 
+def idle_logits(model) -> Tensor:
+    """A one-token forward through the whole model (every parameter, the head included):
+    the output of a synced pass that contributes nothing (`GradSync.idle`)."""
+    device = next(model.parameters()).device
+    return model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                 logits_to_keep=1).logits
+
+
 def zero_grads_first(params: list[torch.Tensor]) -> None:
     """Zero every gradient, allocating the missing ones now, before any activation: the
     gradients live through the whole update, and allocated by the first backward they land
@@ -166,7 +176,8 @@ def zero_grads_first(params: list[torch.Tensor]) -> None:
 def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
                   dp: DataParallel | None = None, scheduler=None,
                   fsdp: bool = False, temperature: float = 1.0,
-                  compute_dtype: torch.dtype | None = None) -> dict[str, float]:
+                  compute_dtype: torch.dtype | None = None,
+                  ddp: GradSync | None = None) -> dict[str, float]:
     """`actor.ppo_epochs` x mini-batches of this rank's rows; one optimizer step each.
 
     `batch` needs `advantages`, `ref_logp` with a KL term, and `old_logp` when
@@ -175,19 +186,28 @@ def update_policy(model, optimizer, batch: TrainBatch, actor: Any, max_response_
     `fsdp`: the model is sharded (`appo.trainer.fsdp`): every rank runs as many forward
     passes (idle ones if it has fewer micro-batches), FSDP reduces the gradients, and the
     shared-prefix and tree forwards are off (their number of model calls depends on the rows).
+    `ddp`: the model's `DistributedDataParallel` wrapper (several processes without FSDP,
+    built once by the trainer): micro-batches but the last of each optimizer step run under
+    `no_sync`, the last one all-reduces, and a rank with no micro-batch in a mini-batch runs
+    one empty synced pass.
     `temperature`: the rollout's sampling temperature, applied to the training logits.
     `compute_dtype`: the forwards' autocast dtype over float32 master weights, or None.
     """
-    # Under FSDP the gradients are sharded and allocated by FSDP: no in-place accumulation.
-    in_place = actor.grads_in_place and not fsdp
+    dp = dp or DataParallel()
+    check_grad_sync(dp, fsdp, ddp, "update_policy")
+    # Under FSDP the gradients are sharded and allocated by FSDP, and under DDP a gradient
+    # written outside autograd never fires the hook its all-reduce waits for: no in-place
+    # accumulation under either.
+    in_place = actor.grads_in_place and not fsdp and ddp is None
     with sparse_embedding_grads(model, in_place):
-        return _update(model, optimizer, batch, actor, max_response_length, dp or DataParallel(),
-                       scheduler, fsdp, temperature, compute_dtype, in_place)
+        return _update(model, optimizer, batch, actor, max_response_length, dp,
+                       scheduler, fsdp, temperature, compute_dtype, in_place, ddp)
 
 
 def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length: int,
             dp: DataParallel, scheduler, fsdp: bool, temperature: float,
-            compute_dtype: torch.dtype | None, in_place: bool) -> dict[str, float]:
+            compute_dtype: torch.dtype | None, in_place: bool,
+            ddp: GradSync | None) -> dict[str, float]:
     share_prefix = actor.share_prefix_forward and not fsdp
     tree = share_prefix and actor.tree_forward
     loss_params = policy_loss_params(actor)
@@ -226,18 +246,20 @@ def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length
                 optimizer.zero_grad(set_to_none=True)
             else:
                 zero_grads_first(params)
-            for mb_idx in plan.batches:
-                # FSDP averages gradients over ranks; the sum is wanted (see trainer.fsdp).
+            # FSDP and DDP average gradients over ranks; the sum is wanted (trainer.fsdp).
+            scale = float(dp.world) if fsdp or ddp is not None else 1.0
+            for k, mb_idx in enumerate(plan.batches):
                 sums.update(_micro_step(model, mini.select(mb_idx), actor, loss_params, agg,
                                         share_prefix, temperature, compute_dtype,
                                         pg_agg=pg_agg, tree=tree,
                                         keep=keep[mb_idx], in_place=in_place,
-                                        loss_scale=float(dp.world) if fsdp else 1.0))
+                                        loss_scale=scale, ddp=ddp,
+                                        sync=k == len(plan.batches) - 1))
             if fsdp:
                 for _ in range(n_passes - len(plan.batches)):
                     idle_step(model)
-            else:
-                dp.average_gradients(params)
+            elif ddp is not None and not plan.batches:  # sync once, as every rank does
+                ddp.idle(idle_logits)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
             check_finite(**{"actor/grad_norm": to_float(grad_norm)})  # before the step
             optimizer.step()
@@ -289,16 +311,23 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
                 share_prefix: bool, temperature: float, compute_dtype: torch.dtype | None,
                 pg_agg: LossAgg | None = None, tree: bool = False,
                 keep: Tensor | None = None, in_place: bool = False,
-                loss_scale: float = 1.0) -> dict[str, float]:
+                loss_scale: float = 1.0, ddp: GradSync | None = None,
+                sync: bool = True) -> dict[str, float]:
+    """One micro-batch's forward, loss and backward. `ddp`: the forward runs through it,
+    all-reducing in the backward when `sync` (the optimizer step's last micro-batch)."""
     need_entropy = actor.entropy_balanced_advantage or actor.entropy_coeff != 0 or (
         actor.policy_loss == "entropy_balanced" and actor.entropy_clip_scope == "high_entropy"
     )
-    logp, entropy, valid = response_logprobs(
-        model, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
-        entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
-        temperature=temperature, compute_dtype=compute_dtype, tree=tree,
-        head_grad_in_place=in_place,
-    )
+
+    def forward(m):
+        return response_logprobs(
+            m, mb, actor.logprob_chunk_size, with_entropy=need_entropy,
+            entropy_grad=actor.entropy_coeff != 0, share_prefix=share_prefix,
+            temperature=temperature, compute_dtype=compute_dtype, tree=tree,
+            head_grad_in_place=in_place,
+        )
+
+    logp, entropy, valid = forward(model) if ddp is None else ddp.forward(forward, sync)
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
     adv = mb.advantages.to(device)
