@@ -91,6 +91,10 @@ def test_cli_check_template():
     assert ok.stdout.startswith("template check (hermes): ok:")
     tags = run_cli("data", "check-template", "--format", "tags", "--tools", "python,search")
     assert tags.returncode == 0, tags.stderr
+    # A tool that does not exist is refused, not checked against a made-up schema ("ok").
+    bogus = run_cli("data", "check-template", "--tools", "python,bogus")
+    assert bogus.returncode == 2 and bogus.stdout == ""
+    assert bogus.stderr.strip() == "error: --tools: unknown tool 'bogus' (known: python, search)"
 
 
 @pytest.mark.slow

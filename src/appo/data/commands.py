@@ -183,7 +183,11 @@ def _check_template(args: argparse.Namespace) -> int:
     names = [t for t in args.tools.split(",") if t]
     if not names:
         raise AppoError("--tools needs at least one tool name")
-    known = {n: {"class_path": KNOWN_TOOLS[n]} for n in names if n in KNOWN_TOOLS}
+    unknown = [n for n in names if n not in KNOWN_TOOLS]
+    if unknown:  # checking a made-up schema would answer "ok" for a tool that does not exist
+        raise AppoError(f"--tools: unknown tool {unknown[0]!r} (known: "
+                        f"{', '.join(sorted(KNOWN_TOOLS))})")
+    known = {n: {"class_path": KNOWN_TOOLS[n]} for n in names}
     by_name = {s["function"]["name"]: s for s in tool_schemas({"tool_instances": known})}
     schemas = [by_name.get(n) or function_schema(n) for n in names]
     tokenizer = load_model(args.model).tokenizer
