@@ -8,31 +8,20 @@ the failure comes from the writer's own `write()`, wherever in the file it happe
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from cli_runner import run_cli
+from mounts import small_tmpfs
 
 
 @pytest.fixture
 def full(tmp_path):
     """A directory on a 48 KiB tmpfs: large outputs do not fit."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if libc.mount(b"tmpfs", str(mnt).encode(), b"tmpfs", 0, b"size=48k") != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
-    try:
+    with small_tmpfs(tmp_path / "full") as mnt:
         yield mnt
-    finally:
-        libc.umount2(str(mnt).encode(), 2)  # MNT_DETACH
 
 
 def _one_error_line(result) -> str:

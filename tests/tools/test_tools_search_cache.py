@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from appo.errors import AppoError
+from appo.errors import AppoError, ToolFatalError
 from appo.tools.search_cache import (
     ORIGINAL_PARAMS,
     SearchCache,
     canonical_params,
     normalise_query,
 )
+from mounts import read_only, small_tmpfs
 
 REAL_CACHE = Path(__file__).resolve().parents[3] / "shared" / "data" / "arpo" / "search_cache.json"
 
@@ -171,3 +172,52 @@ def test_processes_opening_a_new_file_at_the_same_instant_all_succeed(tmp_path):
             p.join(timeout=60)
             assert p.exitcode == 0
     assert errors.empty(), errors.get()
+
+
+def test_a_healthy_cache_on_a_read_only_mount_replays_and_stores_nothing(tmp_path, caplog):
+    """Issue 41 class 3: a read-only cache was called "damaged ... delete it" (which would
+    delete the run's search data) and could not be used; an offline replay
+    (`miss_policy: fail`) must read it."""
+    from appo.tools.search_tool import SearchTool
+
+    live = SearchTool(backend="replay", cache_file=str(tmp_path / "c" / "cache.sqlite"),
+                      miss_policy="fail")
+    live.cache.put(live.backend_name, live.key_params, "capital of france", "Page 1: Paris")
+    # Still open: the entry is in the WAL beside the file, as after a run killed with -9.
+    assert (tmp_path / "c" / "cache.sqlite-wal").is_file()
+    with read_only(tmp_path / "c"):
+        tool = SearchTool(backend="replay", cache_file=str(tmp_path / "c" / "cache.sqlite"),
+                          miss_policy="fail")
+        assert tool.cache.read_only
+        assert tool.cache.get(tool.backend_name, tool.key_params,
+                              "capital of France") == "Page 1: Paris"
+        assert tool.cache.put(tool.backend_name, tool.key_params, "q", "r") is False
+        assert tool.cache.put(tool.backend_name, tool.key_params, "q2", "r") is False
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("is read-only: new results are not stored" in m for m in said) == 1, said
+        with pytest.raises(AppoError, match="is read-only: cannot store entries"):
+            tool.cache.put_many("b", {}, [("q", "r")])
+        with pytest.raises(AppoError, match="does not exist and cannot be created there"):
+            SearchCache(tmp_path / "c" / "other.sqlite")
+        assert sorted(p.name for p in (tmp_path / "c").iterdir())[0] == "cache.sqlite"
+        tool.cache._connect().close()
+    # A cache closed cleanly (no WAL left) on a read-only mount reads too.
+    live.cache._connect().close()
+    assert not (tmp_path / "c" / "cache.sqlite-wal").exists()
+    with read_only(tmp_path / "c"):
+        again = SearchCache(tmp_path / "c" / "cache.sqlite")
+        assert again.get(live.backend_name, live.key_params, "capital of france") == (
+            "Page 1: Paris")
+        again._connect().close()
+
+
+def test_a_full_disk_is_named_not_called_damage(tmp_path):
+    with small_tmpfs(tmp_path / "full", "64k") as full:
+        cache = SearchCache(full / "cache.sqlite")
+        cache.put("b", {}, "kept", "r")
+        with pytest.raises(ToolFatalError) as e:
+            for i in range(2000):
+                cache.put("b", {}, f"q{i}", "x" * 2000)
+        assert str(e.value) == (f"search cache {full / 'cache.sqlite'}: could not write: no "
+                                "space left on device")
+        assert cache.get("b", {}, "kept") == "r"  # the file is whole

@@ -15,7 +15,10 @@ A damaged file (a disk error, a copy cut short) is a `ToolFatalError` naming the
 open (`PRAGMA quick_check` reads every page once, about a second per GB) and at any later
 read or write. It is not rebuilt or bypassed, because with `miss_policy: fail` the cache *is*
 the run's search data: a silently fresh cache would turn every search into an error text
-the model trains on. Delete the file (or restore a copy) to go on.
+the model trains on. Delete the file (or restore a copy) to go on. A healthy file that cannot
+be written is not called damaged: on a read-only mount (or without write permission) the
+cache opens read-only (replays work; new results are not stored, said once), and a full
+disk is "no space left on device".
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
-from appo.errors import AppoError, ToolFatalError
+from appo.errors import AppoError, ToolFatalError, warn_once
 from appo.jsonl import read_text
 
 SCHEMA = """
@@ -63,6 +67,29 @@ def canonical_params(params: Mapping | None) -> str:
     return json.dumps(dict(params or {}), sort_keys=True, separators=(",", ":"), default=str)
 
 
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(_existing(path)).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _not_writable(path: Path) -> bool:
+    """The cache file (or, before it exists, the nearest existing directory) cannot be
+    written: a read-only mount, or no permission (`access` says EROFS for root too)."""
+    if _read_only_mount(path):
+        return True
+    if path.exists():  # SQLite writes its journal files beside the database
+        return not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
+    return not os.access(_existing(path), os.W_OK)
+
+
 def default_cache_path() -> Path:
     from appo.paths import cache_dir
 
@@ -85,7 +112,12 @@ class SearchCache:
         if self.path.suffix == ".json":
             raise AppoError(f"{self.path} is a JSON file; the search cache is an SQLite file. "
                             f"Import the JSON with `appo search cache import {self.path}`")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = _not_writable(self.path)
+        if self.read_only and not self.path.is_file():
+            raise AppoError(f"search cache {self.path} does not exist and cannot be created "
+                            "there (read-only); give a writable search cache path")
+        if not self.read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
         self._local = threading.local()
         with self._guard():  # create the schema now, and fail early on a bad file
@@ -99,6 +131,18 @@ class SearchCache:
         return ToolFatalError(f"search cache {self.path} is damaged ({what}); delete it to "
                               "start a fresh cache, or restore it from a copy")
 
+    def _not_damaged(self, e: sqlite3.DatabaseError) -> ToolFatalError | None:
+        """The error of a healthy file that cannot be written or reached, named as such."""
+        text = str(e).lower()
+        if "disk is full" in text:
+            return ToolFatalError(f"search cache {self.path}: could not write: no space left "
+                                  "on device")
+        if "readonly" in text or "read-only" in text:
+            return ToolFatalError(f"search cache {self.path}: could not write: read-only")
+        if "unable to open" in text and not os.access(self.path.parent, os.R_OK | os.X_OK):
+            return ToolFatalError(f"search cache {self.path}: cannot read its directory")
+        return None
+
     @contextmanager
     def _guard(self) -> Iterator[None]:
         """SQLite's errors on a damaged file as one `ToolFatalError` naming the file."""
@@ -108,7 +152,13 @@ class SearchCache:
             if isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)):
                 raise ToolFatalError(f"search cache {self.path}: still locked by another "
                                      f"process after {self.busy_timeout_s:.0f} s") from None
-            raise self._damaged(e) from None
+            raise (self._not_damaged(e) or self._damaged(e)) from None
+
+    def _skip_write(self) -> bool:
+        """A read-only cache stores nothing: say so once, and let the run go on."""
+        if self.read_only:
+            warn_once(f"search cache {self.path} is read-only: new results are not stored")
+        return self.read_only
 
     def _connect(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -127,7 +177,7 @@ class SearchCache:
                 locked = isinstance(e, sqlite3.OperationalError) and (
                     "locked" in str(e) or "busy" in str(e))
                 if not locked:
-                    raise self._damaged(e) from None
+                    raise (self._not_damaged(e) or self._damaged(e)) from None
                 if time.monotonic() > deadline:
                     raise ToolFatalError(f"cannot open search cache {self.path}: still locked "
                                          f"by another process after {self.busy_timeout_s:.0f} s"
@@ -138,6 +188,18 @@ class SearchCache:
         return conn
 
     def _open(self) -> sqlite3.Connection:
+        if self.read_only:
+            # On a read-only mount SQLite cannot create the WAL's shared-memory file: with
+            # a WAL left beside the file (a run killed before its checkpoint) plain
+            # read-only reads both; without one, `immutable` (nothing can change the file
+            # there). Without write permission only: plain read-only, since another
+            # process may still write it.
+            wal = self.path.with_name(self.path.name + "-wal")
+            flags = ("immutable=1" if _read_only_mount(self.path) and not wal.exists()
+                     else "mode=ro")
+            uri = f"file:{quote(str(self.path.resolve()))}?{flags}"
+            return sqlite3.connect(uri, uri=True, timeout=self.busy_timeout_s,
+                                   isolation_level=None, check_same_thread=False)
         # isolation_level=None: autocommit; each statement is its own transaction.
         conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
                                isolation_level=None, check_same_thread=False)
@@ -169,6 +231,8 @@ class SearchCache:
     def put(self, backend: str, params: Mapping | None, query: str, result: str,
             key: str | None = None) -> bool:
         """Store a result unless the key already has one. Returns True if it was stored."""
+        if self._skip_write():
+            return False
         with self._guard():
             cur = self._connect().execute(
                 "INSERT OR IGNORE INTO search_cache VALUES (?, ?, ?, ?, ?, ?)",
@@ -185,6 +249,8 @@ class SearchCache:
         verb = "INSERT OR REPLACE" if overwrite else "INSERT OR IGNORE"
         p, now = canonical_params(params), time.time()
         rows = [(backend, p, normalise_query(q), q, r, now) for q, r in items]
+        if self.read_only:  # an import into a read-only cache is a mistake, not a skip
+            raise AppoError(f"search cache {self.path} is read-only: cannot store entries")
         with self._guard():
             conn = self._connect()
             before = conn.total_changes
