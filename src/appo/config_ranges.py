@@ -126,6 +126,7 @@ RANGES: dict[str, Range] = {
     "tools.max_workers": COUNT,
     "tools.timeout": above(0.0, "seconds"),
     "tools.retry_count": ANY_COUNT,
+    "tools.infra_failure_limit": COUNT,
     # algorithm
     "algorithm.reward_scale_discount": PROB,
     "algorithm.gamma": PROB,

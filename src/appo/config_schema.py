@@ -234,6 +234,10 @@ class ToolsConfig:
     timeout: float = 30.0
     # Retries of a tool call that failed or returned nothing.
     retry_count: int = 1
+    # Stop the run when this many calls of one tool in a row end in an infrastructure
+    # failure after their retries (a search server or page summariser that is down, a sandbox
+    # that cannot start): the model would otherwise train on error texts. null: never stop.
+    infra_failure_limit: int | None = 16
     # A tool that cannot be built stops the run; false: it is left out with a warning.
     fail_on_error: bool = False
     # Accepted as the original configs pass it; appo does not read it.

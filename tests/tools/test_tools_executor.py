@@ -109,6 +109,24 @@ def test_unknown_tool_and_empty_content_are_error_results():
     ex.close()
 
 
+def test_consecutive_infra_failures_stop_at_the_limit_and_a_success_resets_them():
+    from appo.errors import ToolFatalError
+
+    tool = FlakyTool(name="web", failures=2)  # fails twice, then works
+    ex = ToolExecutor({"web": tool}, retry_count=0, infra_failure_limit=3)
+    assert [ex.execute(ToolCall("web", "x")).error_kind for _ in range(3)] == [
+        "infra", "infra", None]
+    tool.calls, tool.failures = 0, 10  # down for good
+    assert [ex.execute(ToolCall("web", "x")).error_kind for _ in range(2)] == ["infra"] * 2
+    with pytest.raises(ToolFatalError, match=r"^tool web: 3 calls in a row failed .*last: boom"):
+        ex.execute(ToolCall("web", "x"))
+    # Off (null): the model gets every failure, as the original did.
+    ex2 = ToolExecutor({"web": FlakyTool(name="web", failures=50)}, retry_count=0)
+    assert all(ex2.execute(ToolCall("web", "x")).error_kind == "infra" for _ in range(20))
+    for e in (ex, ex2):
+        e.close()
+
+
 def test_call_by_tag():
     ex = ToolExecutor({"web": EchoTool(name="web", tag="search")})
     assert ex.tags == ["search"]

@@ -346,6 +346,44 @@ def test_summariser_failure_is_an_infra_error_and_not_cached(tmp_path):
         summ.close()
 
 
+def test_a_summariser_that_is_down_stops_the_run_instead_of_feeding_error_texts(tmp_path):
+    """Issue 41 class 3: with the summariser down every search result was an error text the
+    model trained on, with log warnings only. The executor built from the config stops at
+    `tools.infra_failure_limit` consecutive infrastructure failures of one tool."""
+    from appo.config import load_config
+    from appo.errors import ToolFatalError
+    from appo.tools.executor import ToolCall
+    from appo.tools.registry import build_tools
+
+    corpus = _corpus(tmp_path, "https://example.org")
+    store = tmp_path / "pages.jsonl"
+    build_page_store(corpus, store)
+    summ = ScriptedServer(chat=lambda body: Reply(503, {"error": "down"}))
+    try:
+        yaml_file = tmp_path / "cfg.yaml"
+        yaml_file.write_text(
+            "tools:\n  enabled: [search]\n  retry_count: 0\n  infra_failure_limit: 3\n"
+            "  tool_instances:\n    search:\n"
+            "      class_path: appo.tools.search_tool.SearchTool\n"
+            f"      params: {{backend: bm25, corpus: {corpus}, cache_file: "
+            f"{tmp_path / 'c.sqlite'}, pages: {{enabled: true, store: {store}, "
+            f"summariser: {{base_url: '{summ.url}'}}}}}}\n")
+        cfg = load_config(yaml_file)
+        tools = build_tools(cfg.tools)
+        tools.tools["search"].page_step.summariser.client.backoff_s = 0.0
+        tools.tools["search"].page_step.summariser.client.retries = 0
+        first = tools.execute_many([ToolCall("search", "paris"), ToolCall("search", "france")])
+        assert [r.error_kind for r in first] == ["infra", "infra"]  # still given to the model
+        with pytest.raises(ToolFatalError) as e:
+            tools.execute(ToolCall("search", "capital"))
+        assert str(e.value).startswith("tool search: 3 calls in a row failed outside the "
+                                       "model's control (last: Error: summariser failed")
+        assert "tools.infra_failure_limit" in str(e.value)
+        tools.close()
+    finally:
+        summ.close()
+
+
 def test_pages_need_a_backend_with_urls(tmp_path):
     replay = tmp_path / "r.json"
     replay.write_text(json.dumps({"q": "Page 1: x"}))

@@ -9,7 +9,10 @@ retried only for tools that declare `retry_timeouts = True` (search: a server th
 answer may answer the next time); a program that ran out of time would do so again.
 
 A tool's exception becomes an error result the model sees, except `ToolFatalError` (a tool
-that cannot work at all, such as a damaged search cache), which is raised to the caller.
+that cannot work at all, such as a damaged search cache), which is raised to the caller. So
+is a tool whose last `infra_failure_limit` calls all ended in an infrastructure failure
+(`tools.infra_failure_limit`): a server that is down would otherwise hand the model an error
+text for every call, with log warnings only.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class ToolExecutor:
         timeout: float = 30.0,
         retry_count: int = 1,
         verbose: bool = False,
+        infra_failure_limit: int | None = None,
     ):
         self.tools = dict(tools)
         self._by_tag = {tool.tag: tool for tool in self.tools.values()}
@@ -113,6 +117,8 @@ class ToolExecutor:
                                         thread_name_prefix="appo-tool")
         self._stats = {name: _StatsAccumulator() for name in self.tools}
         self._stats_lock = threading.Lock()
+        self.infra_failure_limit = infra_failure_limit
+        self._infra_streak = dict.fromkeys(self.tools, 0)  # consecutive infra failures
 
     @property
     def tags(self) -> list[str]:
@@ -156,6 +162,14 @@ class ToolExecutor:
         result.latency_s = time.monotonic() - start
         with self._stats_lock:
             self._stats[tool.name].record(result, retries)
+            streak = self._infra_streak[tool.name] + 1 if result.error_kind == "infra" else 0
+            self._infra_streak[tool.name] = streak
+        limit = self.infra_failure_limit
+        if limit is not None and streak >= limit:
+            last = " ".join(result.text.split())[:200]
+            raise ToolFatalError(f"tool {tool.name}: {streak} calls in a row failed outside the "
+                                 f"model's control (last: {last}); is its server or backend "
+                                 "up? (tools.infra_failure_limit; null: never stop)")
         if self.verbose:
             log.info("tool %s ok=%s kind=%s %.3fs cached=%s retries=%d", tool.name, result.ok,
                      result.error_kind, result.latency_s, result.cached, retries)

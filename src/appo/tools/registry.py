@@ -189,5 +189,6 @@ def build_tools(tools_cfg: Any) -> ToolExecutor:
         max_workers=int(_get(tools_cfg, "max_workers", 8)),
         timeout=timeout,
         retry_count=int(_get(tools_cfg, "retry_count", 1)),
+        infra_failure_limit=_get(tools_cfg, "infra_failure_limit", 16),
         verbose=bool(_get(tools_cfg, "verbose_logging", False)),
     )
