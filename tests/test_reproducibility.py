@@ -68,3 +68,56 @@ def test_the_skip_is_off_by_default_and_documented():
     reference = (Path(__file__).parents[1] / "docs" / "reference" / "config.md").read_text()
     assert "`actor.skip_zero_advantage_steps`" in reference and "actor/skipped_steps" in reference
 
+
+
+EVAL = ["eval", "--model", "tiny-test", "--data", "synth:arith?split=eval&n=8", "--k", "2",
+        "--batch-size", "2", "eval.max_response_length=12"]
+
+
+def _samples(out: Path) -> dict[tuple[str, int], str]:
+    from appo.eval.records import latest, read_samples
+
+    records = latest(read_samples(out / "arith" / "samples.jsonl"))
+    return {key: rec.prediction for key, rec in records.items()}
+
+
+def _trajectories(out: Path) -> dict[str, list[int]]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "arith" / "trajectories.jsonl").open()]
+    return {r["traj_id"]: r["response_ids"] for r in rows}
+
+
+def test_an_eval_resumed_after_kill_9_equals_the_uninterrupted_one(tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from cli_runner import run_cli
+
+    monkeypatch.setenv("APPO_CACHE", str(tmp_path / "cache"))
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = run_cli(*EVAL, "--out", str(straight))
+    assert r.returncode == 0, r.stderr[-2000:]
+    expected = _samples(straight)
+    assert len(expected) == 16 and len(set(expected.values())) > 8  # sampled, mostly distinct
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-m", "appo.cli", *EVAL, "--out", str(killed)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples = killed / "arith" / "samples.jsonl"
+    deadline = time.monotonic() + 600
+    while child.poll() is None and time.monotonic() < deadline:
+        if samples.is_file() and len(samples.read_text().splitlines()) >= 4:  # 2 chunks
+            break
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    written = len(samples.read_text().splitlines())
+    assert 4 <= written < 16, written  # killed part-way
+    r = run_cli(*EVAL, "--out", str(killed))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming" in r.stdout + r.stderr
+    assert _samples(killed) == expected
+    assert _trajectories(killed) == _trajectories(straight)
