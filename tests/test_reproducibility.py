@@ -121,3 +121,116 @@ def test_an_eval_resumed_after_kill_9_equals_the_uninterrupted_one(tmp_path, mon
     assert "resuming" in r.stdout + r.stderr
     assert _samples(killed) == expected
     assert _trajectories(killed) == _trajectories(straight)
+
+
+FIRST_BUDGET, BUDGET_STEP = 200, 60  # tokens; tiny-test's groups here are ~90 tokens each
+
+
+class _OneRank:
+    enabled, is_main, world, rank = False, True, 1, 0
+
+    def max_int(self, value: int) -> int:
+        return value
+
+
+class _Held:
+    """What the process "holds" (`appo.trainer.memory.rss_bytes`): a fixed 1 GiB plus what
+    a test adds, so a budget's dependence on it is exact rather than the machine's noise."""
+
+    def __init__(self, monkeypatch):
+        self.extra = 0
+        monkeypatch.setattr("appo.trainer.memory.rss_bytes", lambda: 2**30 + self.extra)
+
+
+def _target_for(tokens: int, model) -> float:
+    """A memory target that leaves `tokens` tokens of activations at 1 GiB held, the
+    gradients and AdamW states (12 bytes per float32 weight) still to come."""
+    from appo.trainer.memory import GIB, MARGIN, activation_bytes_per_token
+
+    states = sum(p.numel() * 12 for p in model.parameters())
+    per_token = activation_bytes_per_token(model)
+    return (GIB + states + (tokens + 0.5) * per_token / (1 - MARGIN)) / GIB
+
+
+def _tokens(n: int, per_token: float) -> int:
+    """Bytes held that take `n` tokens from a budget."""
+    from appo.trainer.memory import MARGIN
+
+    return int(n * per_token / (1 - MARGIN))
+
+
+def test_the_budget_is_derived_once_and_reused_on_resume(tmp_path, monkeypatch):
+    from appo.trainer.memory import BUDGET_FILE, activation_bytes_per_token, apply_memory_target
+
+    model = load_model("tiny-test").model
+    opt = torch.optim.AdamW(model.parameters())
+    held = _Held(monkeypatch)
+    per_token = activation_bytes_per_token(model)
+    target = _target_for(400, model)
+    actor = ActorConfig(max_memory_gb=target)
+    first = apply_memory_target(actor, model, opt, _OneRank(), run_dir=tmp_path)
+    assert (tmp_path / BUDGET_FILE).is_file() and abs(first - 400) <= 2
+    held.extra = _tokens(100, per_token)  # what a resumed process may hold more
+    again = ActorConfig(max_memory_gb=target)
+    assert apply_memory_target(again, model, opt, _OneRank(), run_dir=tmp_path) == first
+    assert again.ppo_max_token_len_per_device == first
+    # without the record (or for another target) the budget is derived from what is held now
+    fresh = apply_memory_target(ActorConfig(max_memory_gb=target), model, opt, _OneRank())
+    assert abs(fresh - (first - 100)) <= 2
+    other = ActorConfig(max_memory_gb=target + 0.01)
+    assert apply_memory_target(other, model, opt, _OneRank(), run_dir=tmp_path) > first
+
+
+def _metrics(run: Path) -> list[dict]:
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
+            for r in rows]
+
+
+def _result(run: Path) -> dict:
+    import json
+
+    from appo.compare.runner import RESULT_FILE
+
+    out = json.loads((run / RESULT_FILE).read_text())
+    return {k: v for k, v in out.items() if not k.endswith("_seconds")}
+
+
+def test_a_compare_pair_alone_equals_the_pair_after_another_in_one_worker(tmp_path,
+                                                                           monkeypatch):
+    import json
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).parent / "compare"))
+    from test_compare_run import write_spec
+
+    from appo.compare.runner import BUDGET_KEY, PAIR_FILE, run_comparison, run_pair
+    from appo.compare.spec import load_spec
+    from appo.trainer.memory import activation_bytes_per_token
+
+    held = _Held(monkeypatch)
+    model = load_model("tiny-test").model
+    per_token = activation_bytes_per_token(model)
+
+    def worker(spec_, variant, seed, progress=True):
+        held.extra += _tokens(BUDGET_STEP, per_token)  # a worker holds more after each pair
+        return run_pair(spec_, variant, seed, progress=False)
+
+    target = _target_for(FIRST_BUDGET + BUDGET_STEP, model)  # the worker's first pair
+    spec = load_spec(write_spec(tmp_path, variants={"grpo": ["rollout.strategy=grpo"]},
+                                seeds=(1, 2), base_extra=(f"actor.max_memory_gb={target}",
+                                                          "trainer.total_steps=2")))
+    # seed 2 runs after seed 1 in this process (one --jobs worker runs its pairs in turn)
+    assert run_comparison(spec, run=worker)[0] == [("grpo", 1), ("grpo", 2)]
+    after = _metrics(spec.run_dir("grpo", 2))
+    result = _result(spec.run_dir("grpo", 2))
+    definition = json.loads((spec.run_dir("grpo", 2) / PAIR_FILE).read_text())
+    assert isinstance(definition[BUDGET_KEY], int)
+    # seed 2 again, alone, in a process that now holds more
+    shutil.rmtree(spec.run_dir("grpo", 2))
+    assert run_comparison(spec, run=worker)[0] == [("grpo", 2)]
+    assert _metrics(spec.run_dir("grpo", 2)) == after
+    assert _result(spec.run_dir("grpo", 2)) == result
+    assert json.loads((spec.run_dir("grpo", 2) / PAIR_FILE).read_text()) == definition

@@ -447,7 +447,8 @@ class RLTrainer:
                                         announce=self.dp.is_main, config=to_container(cfg),
                                         parts=self._parts(), lora=self.lora)
         # The update's token budget from a memory target, or capped by an activation share.
-        budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp)
+        budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp,
+                                     run_dir=self.out_dir)  # derived once, then reused
         if self.critic is not None and cfg.critic.ppo_max_token_len_per_device is None:
             self.critic.max_tokens = budget  # the critic follows the actor's budget
         # Rows logged after the checkpoint resumed from are redone: drop them.
