@@ -124,6 +124,11 @@ class ActorConfig:
     freeze_embeddings: bool = False
     # Clip the gradient's global norm to this (inf: no clipping).
     grad_clip: float = 1.0
+    # Skip the optimizer and scheduler step of a mini-batch whose advantages are all 0 (no
+    # learning signal, e.g. every answer of every group scored alike): AdamW's moments
+    # would still move the weights at grad norm 0. Counted as actor/skipped_steps; its
+    # KL and entropy terms are skipped with it. False: step anyway, as verl does.
+    skip_zero_advantage_steps: bool = False
     # With model.dtype bfloat16: keep the trained weights and AdamW states in float32 and
     # run the training forwards in bfloat16 (autocast), as verl's FSDP actor does; the
     # rollout engine (vllm) still runs in bfloat16. False: train the bfloat16 weights in

@@ -227,7 +227,8 @@ def test_tiny_demo_with_lora(tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides, message", [
     # refused when the config loads (appo.config_ranges), before apply_lora
     (["model.lora_rank=-1"], r"'model\.lora_rank': -1 \(must be >= 0"),
-    (["model.lora_rank=4", "model.target_modules=[nope]"], "model.target_modules: Target"),
+    (["model.lora_rank=4", "model.target_modules=[nope]"],
+     "model.target_modules: 'nope' matches no module of the model"),
     (["model.lora_rank=4", "model.target_modules=[]"], "model.target_modules must be"),
     (["model.lora_rank=4", "model.lora_dropout=1.5"],
      r"'model\.lora_dropout': 1\.5 \(must be in \[0, 1\)"),

@@ -15,8 +15,8 @@ pair's lock, an exclusive `flock` on `output_dir/.locks/<variant>-seed<N>.lock`,
 over pairs another process holds. The kernel drops a lock when its holder dies, so a killed
 run never leaves one behind, and two processes never write one run directory.
 
-Each pair records what it ran under (`pair.json`: the resolved run config and the eval
-settings, `pair_definition`); `check_definitions` refuses to run or report a comparison in
+Each pair records what it ran under (`pair.json`: the resolved run config, the token
+budget of a memory target, and the eval settings, `pair_definition`); `check_definitions` refuses to run or report a comparison in
 which a done pair's definition (or a started pair's, the step count aside) differs from the
 spec's, so old numbers are never reported under a new definition.
 
@@ -49,6 +49,8 @@ EVAL_SEED = 20_000_003
 _NOT_DEFINITION = ("trainer.resume", "trainer.overwrite", "trainer.default_local_dir")
 # A pair that has not finished may go on to more steps (resume extends a run).
 _EXTENDABLE = ("trainer.total_steps", "trainer.total_epochs")
+# The micro-batch token budget a memory target gave the variant (`pair_config`).
+BUDGET_KEY = "actor.max_memory_gb.tokens"
 
 
 @dataclass
@@ -96,13 +98,58 @@ def pair_state(spec: CompareSpec, variant: str, seed: int) -> str:
     return "missing"
 
 
-def pair_definition(spec: CompareSpec, variant: str, seed: int) -> dict[str, Any]:
-    """What one pair's numbers mean: its resolved run config (dotted keys) and the
-    evaluation settings (not the eval sets: the report checks each set's files itself)."""
-    from appo.config import flatten, to_container
+def budget_dir(spec: CompareSpec, variant: str) -> Path:
+    """Where a variant's micro-batch token budget is recorded (`appo.trainer.memory`'s
+    `BUDGET_FILE`), beside the run directories (a fresh pair replaces its own)."""
+    return spec.output_dir / ".memory" / variant
 
-    config = flatten(to_container(spec.config(variant, seed)))
+
+def pair_config(spec: CompareSpec, variant: str, seed: int, resume: bool = False):
+    """The run config of one pair. Under `actor.max_memory_gb` the variant's first pair
+    derives the token budget (from what its process holds then) and records it
+    (`budget_dir`); every later pair of the variant, in any worker, after any other pair,
+    trains with that budget, so a pair's micro-batch split (and its numbers) do not depend
+    on what ran before it. A resumed pair that derived it itself reuses its own record."""
+    from appo.trainer.memory import recorded_budget
+
+    cfg = spec.config(variant, seed, resume=resume)
+    target = cfg.actor.max_memory_gb
+    if target is None or (resume and recorded_budget(spec.run_dir(variant, seed), target)):
+        return cfg
+    tokens = recorded_budget(budget_dir(spec, variant), target)
+    if tokens is not None:  # the memory target's own path with the recorded budget
+        cfg.actor.max_memory_gb = None
+        cfg.actor.activation_memory_gb = None  # a target supersedes the activation cap
+        cfg.actor.ppo_max_token_len_per_device = tokens
+    return cfg
+
+
+@contextlib.contextmanager
+def _derived_once(spec: CompareSpec, variant: str, target: float | None) -> Iterator[None]:
+    """Hold the variant's budget lock while its budget is not recorded yet, so that two
+    workers never derive it both."""
+    from appo.trainer.memory import recorded_budget
+
+    if target is None or recorded_budget(budget_dir(spec, variant), target) is not None:
+        yield
+        return
+    with held_lock(lock_path(spec, f"memory-{variant}"), wait=True):
+        yield
+
+
+def pair_definition(spec: CompareSpec, variant: str, seed: int) -> dict[str, Any]:
+    """What one pair's numbers mean: its resolved run config (dotted keys), the token
+    budget its variant trains with under a memory target, and the evaluation settings
+    (not the eval sets: the report checks each set's files itself)."""
+    from appo.config import flatten, to_container
+    from appo.trainer.memory import recorded_budget
+
+    cfg = spec.config(variant, seed)
+    config = flatten(to_container(cfg))
     out = {k: v for k, v in config.items() if k not in _NOT_DEFINITION}
+    if cfg.actor.max_memory_gb is not None:
+        out[BUDGET_KEY] = recorded_budget(budget_dir(spec, variant),
+                                                            cfg.actor.max_memory_gb)
     e = spec.eval
     out.update({"eval.k": e.k, "eval.temperature": e.temperature, "eval.top_p": e.top_p,
                 "eval.top_k": e.top_k, "eval.max_response_length": e.max_response_length})
@@ -132,6 +179,8 @@ def redefined_pairs(spec: CompareSpec) -> list[str]:
         except (OSError, ValueError):
             old = {}
         new = pair_definition(spec, variant, seed)
+        if BUDGET_KEY not in old:  # recorded before budgets were (it was derived per pair)
+            new.pop(BUDGET_KEY, None)
         if state == "partial":
             for key in _EXTENDABLE:
                 old.pop(key, None)
@@ -169,12 +218,19 @@ def run_pair(spec: CompareSpec, variant: str, seed: int, progress: bool = True) 
     from appo.errors import AppoError
     from appo.trainer.guards import NonFiniteError
     from appo.trainer.loop import RLTrainer
+    from appo.trainer.memory import record_budget, recorded_budget
 
     resume = pair_state(spec, variant, seed) == "partial"
-    cfg = spec.config(variant, seed, resume=resume)
-    if not resume:
-        cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
-    trainer = RLTrainer(cfg, progress=progress)  # owns (locks) the pair's run directory
+    target = spec.config(variant, seed).actor.max_memory_gb
+    with _derived_once(spec, variant, target):
+        cfg = pair_config(spec, variant, seed, resume=resume)
+        if not resume:
+            cfg.trainer.overwrite = True  # only ever a directory with no checkpoint (above)
+        trainer = RLTrainer(cfg, progress=progress)  # owns (locks) the pair's run directory
+        if (target is not None and trainer.dp.is_main
+                and recorded_budget(budget_dir(spec, variant), target) is None):
+            record_budget(budget_dir(spec, variant), target,
+                          int(trainer.cfg.actor.ppo_max_token_len_per_device))
     if trainer.dp.is_main:
         record_definition(spec, variant, seed)
     try:

@@ -225,6 +225,14 @@ def _traj_id(bench: str, index: int, sample: int) -> str:
     return f"{bench}:{index}/s{sample}"
 
 
+def chunk_seed(seed: int, start: int) -> int:
+    """The sampler seed of the chunk whose first sample is number `start` of the run's full
+    list (benchmarks, questions, samples in order): a function of the two alone, so a
+    resumed run reseeds each chunk as the uninterrupted one did. The first chunk keeps
+    `seed` itself."""
+    return seed if start == 0 else (seed * 1_000_003 + start) % 2**62
+
+
 @dataclass
 class _Work:
     bench: Benchmark
@@ -371,18 +379,31 @@ class Evaluator:
         return out, batch.stats
 
     def run(self, benchmarks: list[Benchmark], out: str | Path, k: int) -> EvalResult:
+        """Generate every sample not yet in `out`. The samples run in fixed chunks of the
+        full list (`batch_size` each, the same on every run into `out`: the identity
+        checks it), each from its own sampler seed (`chunk_seed`): a resumed run generates
+        what the uninterrupted one would, never the first chunk's texts again. A chunk with
+        any sample missing is generated whole, its finished samples' texts dropped."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         work, resumed = self._pending(benchmarks, out, k)
+        pending = {(w.bench.name, w.index, w.sample) for w in work}
         total = len(work) + resumed
         if resumed:
             self.log(f"resuming: {resumed} of {total} samples already in {out}")
         stats = RolloutStats()
-        generated = failed = 0
-        for start in range(0, len(work), self.batch_size):
-            chunk = work[start : start + self.batch_size]
+        generated = failed = done = 0
+        everything = [_Work(b, i, s) for b in benchmarks for i in range(len(b.examples))
+                      for s in range(k)]
+        for start in range(0, len(everything), self.batch_size):
+            chunk = everything[start : start + self.batch_size]
+            if not any((w.bench.name, w.index, w.sample) in pending for w in chunk):
+                continue
+            self.engine.reseed(chunk_seed(self.settings.seed, start))
             lines, chunk_stats = self._run_chunk(chunk)
+            lines = [line for line in lines
+                     if (line[0].bench.name, line[0].index, line[0].sample) in pending]
             _add_stats(stats, chunk_stats)
             by_bench: dict[str, tuple[list[str], list[str]]] = {}
             for w, rec, traj_line in lines:
@@ -396,10 +417,11 @@ class Evaluator:
                 # Trajectories first: a sample line is the record that its work is done.
                 append_lines(out / name / TRAJECTORIES_FILE, trajs)
                 append_lines(out / name / SAMPLES_FILE, samples)
+            done += len(lines)
             elapsed = time.perf_counter() - t0
             correct = sum(rec.correct for _, rec, _ in lines)
-            self.log(f"{start + len(chunk)}/{len(work)} samples  chunk acc "
-                     f"{correct}/{len(chunk)}  {stats.tokens_decoded / max(elapsed, 1e-9):.0f} "
+            self.log(f"{done}/{len(work)} samples  chunk acc "
+                     f"{correct}/{len(lines)}  {stats.tokens_decoded / max(elapsed, 1e-9):.0f} "
                      f"tok/s  {elapsed:.0f} s" + (f"  failed {failed}" if failed else ""))
         wall = time.perf_counter() - t0
         result = self.summarize(benchmarks, out, k)

@@ -22,8 +22,10 @@ merged copy keeps them bit-identical and resume exact.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +183,7 @@ class LoraPolicy:
             state = {k: (distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements,
                                            src_data_rank=None) if k in sharded else v)
                      for k, v in state.items()}
+        self._check_saved_shape(state, source)
         result = set_peft_model_state_dict(self.peft, state)
         expected = self.adapter_keys()
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
@@ -188,6 +191,24 @@ class LoraPolicy:
             missing = sorted(expected - set(state))
             raise AppoError(f"adapter in {source} does not match model.lora_* (missing "
                             f"{missing[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
+
+    def _check_saved_shape(self, state: dict[str, torch.Tensor], source: Any) -> None:
+        """A saved adapter of another rank is a changed setting, named as one (both values),
+        not a size mismatch inside PEFT's loader."""
+        import json
+
+        now = int(self.peft.peft_config[ADAPTER].r)
+        saved = None
+        try:
+            saved = int(json.loads((Path(source) / "adapter_config.json").read_text())["r"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if saved is None:  # no readable config: the rank from A's shape (rank x in)
+            saved = next((int(v.shape[0]) for k, v in state.items() if "lora_A" in k), now)
+        if saved != now:
+            raise AppoError(f"checkpoint {source} holds an adapter of model.lora_rank={saved}; "
+                            f"this run has model.lora_rank={now}: resume with "
+                            f"model.lora_rank={saved}, or start a new run")
 
     def save(self, path: str | Path) -> None:
         """`adapter_model.safetensors` + `adapter_config.json` (PEFT's format). Under FSDP
@@ -215,7 +236,8 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
     """Inject a LoRA adapter into `model` (in place) per `model.*`; None when
     `model.lora_rank` is 0. The base weights are frozen; PEFT initialises A randomly
     (from the torch generator: seed before) and B to zero, so the adapted model starts as
-    the base model."""
+    the base model. A target PEFT would ignore, cannot train here, or a rank no layer can
+    hold is refused before anything is injected (`check_targets`)."""
     if not lora_enabled(model_cfg):
         return None
     from peft import LoraConfig, get_peft_model
@@ -227,9 +249,11 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
     config = LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=alpha, lora_dropout=dropout,
                         target_modules=_target_modules(model_cfg.target_modules),
                         bias="none", task_type="CAUSAL_LM")
+    check_targets(model, config)
     try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as e:  # e.g. target modules not found in the model
+        with _quiet_peft():
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. a module type PEFT cannot adapt
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise AppoError(f"model.target_modules: {first}") from None
     # adapter_config.json names the base as appo loads it (an alias, a hub id or an absolute
@@ -241,27 +265,111 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any) -> LoraPolicy | None:
     return LoraPolicy(peft_model)
 
 
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """PEFT asks transformers through a deprecated name when it wraps a model: a warning
+    about library internals on every LoRA run, which the user cannot act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def _layer_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the modules with a 2-D weight (what a user can target)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if n and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2})
+
+
+def check_targets(model: torch.nn.Module, config: Any) -> None:
+    """Refuse, with one line, what PEFT would accept and appo could not use:
+    - a name in a target list that matches no module (PEFT adapts the others silently);
+    - the output layer, or a layer sharing its weight (tied embeddings): the trainer's
+      log-probs read the head as a weight matrix (`appo.algos.logprobs`), so an adapter
+      there gets no gradient, and a merged tied copy would differ from the policy;
+    - a rank above a targeted layer's min(in, out): the product `B A` cannot have a higher
+      rank, so the extra rows are parameters (and memory) with no effect."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = config.target_modules
+    names = [n for n, _ in model.named_modules() if n]
+    if isinstance(targets, str) and targets == "all-linear":  # PEFT's shorthand
+        matched = [n for n in names if isinstance(model.get_submodule(n), torch.nn.Linear)
+                   and model.get_submodule(n) is not model.get_output_embeddings()]
+    else:
+        matched = [n for n in names if check_target_module_exists(config, n)]
+    if not isinstance(targets, str):
+        for key in targets:
+            if not any(n == key or n.endswith("." + key) for n in matched):
+                raise AppoError(f"model.target_modules: {key!r} matches no module of the model "
+                                f"(its layers: {', '.join(_layer_names(model))})")
+    if not matched:
+        raise AppoError(f"model.target_modules: {targets!r} matches no module of the model "
+                        f"(its layers: {', '.join(_layer_names(model))})")
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    for name in matched:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if weight is not None and head_weight is not None and weight is head_weight:
+            raise AppoError(f"model.target_modules: {name} is (or shares its weight with) the "
+                            "output layer, which the trainer reads as a plain weight matrix, so "
+                            "an adapter there cannot train; target the other layers "
+                            "(all-linear leaves it out)")
+    rank = int(config.r)
+    for name in matched:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if weight is not None and weight.dim() == 2 and rank > min(weight.shape):
+            rows, cols = weight.shape
+            raise AppoError(f"model.lora_rank={rank} is larger than the layer {name} "
+                            f"({rows} x {cols}) can use: the adapter's rank is at most "
+                            f"min(in, out) = {min(weight.shape)}; set model.lora_rank <= "
+                            f"{min(weight.shape)}")
+
+
+# The adapter directories being loaded in this context, outermost first: an adapter whose
+# base chain comes back to itself is refused by name instead of recursing without end.
+_LOADING: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar(
+    "appo_lora_loading", default=())
+
+
 def load_merged(path: Path, load_base: Any) -> tuple[Any, Any]:
     """An appo LoRA checkpoint directory (`adapter_config.json`, no `config.json`) as a
     plain model: its base (`load_base(spec)`, a `LoadedModel`) with the adapter merged in.
-    Returns (model, tokenizer)."""
+    Returns (model, tokenizer); every parameter requires grad again (PEFT's loading froze
+    them all), so the merged model trains in full as any loaded model does."""
     import json
 
     from peft import PeftModel
 
+    config_file = path / "adapter_config.json"
     try:
-        spec = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError) as e:
-        raise AppoError(f"unreadable adapter_config.json in {path}: {e}") from None
+        spec = json.loads(config_file.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise AppoError(f"unreadable {config_file}: {e}") from None
     if not spec:
-        raise AppoError(f"{path}/adapter_config.json names no base model "
-                        "(base_model_name_or_path)")
-    base = load_base(str(spec))
+        raise AppoError(f"{config_file} names no base model (base_model_name_or_path)")
+    chain = _LOADING.get()
+    here = path.resolve()
+    base_path = Path(str(spec)).expanduser()
+    if here in chain or (base_path.exists() and base_path.resolve() in (*chain, here)):
+        loop = " -> ".join(str(p) for p in (*chain, here, base_path.resolve()))
+        raise AppoError(f"{config_file} names a base model that leads back to the adapter "
+                        f"itself ({loop}); set base_model_name_or_path to the model it "
+                        "was trained on")
+    token = _LOADING.set((*chain, here))
     try:
-        model = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+        base = load_base(str(spec))
+    except AppoError as e:
+        raise AppoError(f"the base model {spec!r} named by {config_file}: {e}") from None
+    finally:
+        _LOADING.reset(token)
+    try:
+        with _quiet_peft():
+            model = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
     except Exception as e:  # noqa: BLE001 - PEFT raises many types for a mismatched adapter
         raise AppoError(f"cannot apply the adapter in {path} to {spec}: "
                         f"{type(e).__name__}: {e}") from None
+    model.requires_grad_(True)
     tokenizer = base.tokenizer
     if (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

@@ -461,7 +461,8 @@ class RLTrainer:
         # once (its constructor broadcasts rank 0's weights) around the resumed weights.
         self.grad_sync = GradSync(self.model) if self.dp.enabled and not self.fsdp else None
         # The update's token budget from a memory target, or capped by an activation share.
-        budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp)
+        budget = apply_memory_target(cfg.actor, self.model, self.optimizer, self.dp, self.fsdp,
+                                     run_dir=self.out_dir)  # derived once, then reused
         if self.critic is not None and cfg.critic.ppo_max_token_len_per_device is None:
             self.critic.max_tokens = budget  # the critic follows the actor's budget
         # Rows logged after the checkpoint resumed from are redone: drop them.

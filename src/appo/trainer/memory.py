@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -174,22 +176,66 @@ def token_budget(max_memory_gb: float, model, optimizer) -> tuple[int, dict[str,
     return tokens, info
 
 
-def apply_memory_target(actor, model, optimizer, dp, fsdp: bool = False) -> int:
+BUDGET_FILE = "memory_budget.json"  # in the run directory: the budget derived at its start
+
+
+def recorded_budget(run_dir: str | Path | None, max_memory_gb: float) -> int | None:
+    """The token budget recorded in `run_dir` for this `max_memory_gb`, or None (no record,
+    an unreadable one, or one for another target)."""
+    if run_dir is None:
+        return None
+    try:
+        record = json.loads((Path(run_dir) / BUDGET_FILE).read_text())
+        if float(record["max_memory_gb"]) == float(max_memory_gb):
+            return int(record["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def record_budget(run_dir: str | Path, max_memory_gb: float, tokens: int,
+                  info: dict[str, float] | None = None) -> None:
+    """Record the run's token budget (`BUDGET_FILE`), with the figures it came from."""
+    from appo.outdir import write_output
+
+    record = {"max_memory_gb": float(max_memory_gb), "tokens": int(tokens), **(info or {})}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_output(Path(run_dir) / BUDGET_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def apply_memory_target(actor, model, optimizer, dp, fsdp: bool = False,
+                        run_dir: str | Path | None = None) -> int:
     """Set `actor.ppo_max_token_len_per_device` in place (printed when it changes) and
     return it: from `actor.max_memory_gb` when set; else, on CPU, capped so the update's
     activations stay under `actor.activation_memory_gb`. The smallest budget over ranks,
     so every rank plans alike. Under FSDP the probe cannot run on the sharded model: the
-    cap is skipped and a target refused."""
+    cap is skipped and a target refused.
+
+    The budget from a memory target depends on what the process holds when it is derived
+    (a resumed process, or a `appo compare --jobs` worker after another pair, holds more),
+    and the budget decides the micro-batch split, so it is derived once: the first start
+    records it in `run_dir` (`BUDGET_FILE`) and a resume with the same target reuses it."""
     if fsdp:
         if actor.max_memory_gb is not None:
             raise AppoError("actor.max_memory_gb is not supported with trainer.parallel=fsdp "
                             "yet: set actor.ppo_max_token_len_per_device instead")
         return int(actor.ppo_max_token_len_per_device)
     if actor.max_memory_gb is not None:
+        # every rank takes rank 0's record (-1: none), so all plan alike
+        reused = dp.max_int(recorded_budget(run_dir, actor.max_memory_gb) or -1)
+        if reused > 0:
+            actor.ppo_max_token_len_per_device = reused
+            if dp.is_main:
+                print(f"appo: actor.max_memory_gb={actor.max_memory_gb:g}: micro-batches of up "
+                      f"to {reused} tokens, as derived at the run's start ({BUDGET_FILE})",
+                      flush=True)
+            return reused
         tokens, info = token_budget(actor.max_memory_gb, model, optimizer)
         tokens = -dp.max_int(-tokens)
         actor.ppo_max_token_len_per_device = tokens
         if dp.is_main:
+            if run_dir is not None:
+                record_budget(run_dir, actor.max_memory_gb, tokens, info)
             print(f"appo: actor.max_memory_gb={actor.max_memory_gb:g}: micro-batches of up "
                   f"to {tokens} tokens (resident {info['resident_gb']:.2f} GB, gradients + "
                   f"AdamW {info['optimizer_gb']:.2f} GB to come, {info['mb_per_token']:.2f} "

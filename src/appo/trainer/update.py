@@ -217,7 +217,7 @@ def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length
     per_mb = max(1, actor.ppo_mini_batch_size // dp.world)
     n_mini = mini_batches(actor, len(uid_order), dp)
     sums: Counter = Counter()
-    padded_total = real_total = rows_total = 0
+    padded_total = real_total = rows_total = skipped = 0
     filters_rows = actor.policy_loss == "future_kl" and loss_params.future_kl_seq_filter
     model.train()
     for epoch in range(actor.ppo_epochs):
@@ -262,9 +262,14 @@ def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length
                 ddp.idle(idle_logits)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip)
             check_finite(**{"actor/grad_norm": to_float(grad_norm)})  # before the step
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            # No learning signal on any rank (actor.skip_zero_advantage_steps): no step.
+            if actor.skip_zero_advantage_steps and not dp.max_int(
+                    int(bool((mini.advantages * mini.loss_mask).any()))):
+                skipped += 1  # the same on every rank (decided by the all-reduce)
+            else:
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
             sums["actor/grad_norm"] += to_float(grad_norm)
     model.eval()
     # Loss-valued metrics are shares of the mini-batch value (global normalisers): sum them
@@ -285,6 +290,8 @@ def _update(model, optimizer, batch: TrainBatch, actor: Any, max_response_length
     out["actor/prefix_saving"] = 1.0 - padded_total / rows_total if rows_total else 0.0
     out["actor/computed_tokens"] = float(padded_total) / max(actor.ppo_epochs, 1)
     out["actor/optimizer_steps"] = float(steps)
+    if actor.skip_zero_advantage_steps:
+        out["actor/skipped_steps"] = float(skipped)
     return out
 
 
