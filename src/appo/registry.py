@@ -171,8 +171,13 @@ def register_reward(name: str, fn: Any = None) -> Any:
     by it, and `custom_reward_function.name=name` (with no `.path`) scores every row by it.
 
     `fn` takes verl's `compute_score` parameters by name (`data_source, solution_str,
-    ground_truth, extra_info`; only those it declares) and returns a number or a dict with
-    `score`. Without it, a decorator: `@register_reward("exact")`."""
+    ground_truth, extra_info`; only those it declares) or `(completion, example)`
+    (`appo.rewards.user_fn`; another form is refused here) and returns a number or a dict
+    with `score`. Without it, a decorator: `@register_reward("exact")`."""
     if fn is None:
-        return lambda f: REWARDS.register(name, f)
+        return lambda f: register_reward(name, f)
+    if callable(fn):
+        from appo.rewards.user_fn import reward_form
+
+        reward_form(fn, f"{name!r} ({qualified_name(fn)})")
     return REWARDS.register(name, fn)
