@@ -135,6 +135,7 @@ def check_dump(dump: Path) -> None:
     rows = [json.loads(line) for line in (dump / "step_00001.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3
     assert {r["extra"]["strategy"] for r in rows} == {"fixed_split"}
+    assert {r["extra"]["model"] for r in rows} == {"tiny-test"}  # for appo view
     by_id = {r["traj_id"]: r for r in rows}
     roots = [r for r in rows if r["parent_id"] is None]
     assert len(roots) == 2 and len({r["uid"] for r in roots}) == 2

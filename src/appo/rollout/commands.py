@@ -83,7 +83,8 @@ def _rollout(args: argparse.Namespace) -> int:
             close()
     print(render_tree(batch, lm.tokenizer, width=args.width))
     if args.out:
-        count = write_jsonl(batch.trajectories, args.out, tokenizer=lm.tokenizer)
+        count = write_jsonl(batch.trajectories, args.out, tokenizer=lm.tokenizer,
+                            model=cfg.model.path)
         print(f"wrote {count} trajectories to {args.out}")
     return 0
 
