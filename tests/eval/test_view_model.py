@@ -120,3 +120,17 @@ def test_an_eval_output_records_its_model_beside_the_trajectories(tmp_path, load
     assert main(["view", str(out), "-o", str(page), "--model", "tiny-test"]) == 2
     assert "(my-org/evaluated)" in one_line(capsys.readouterr().err)
 
+
+
+def test_appo_rollout_records_its_model(tmp_path, loaded):
+    from cli_runner import run_cli
+
+    out = tmp_path / "rollout.jsonl"
+    r = run_cli("rollout", "--model", "tiny-test", "--no-tools", "rollout.n=2",
+                "data.max_response_length=8", "data.max_prompt_length=4096", "hi",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and {row["extra"]["model"] for row in rows} == {"tiny-test"}
+    assert main(["view", str(out), "-o", str(tmp_path / "page.html")]) == 0
+    assert loaded == ["tiny-test"]
