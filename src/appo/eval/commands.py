@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from appo.commands import (
+from appo.cli_args import (
     add_config_args,
     config_from_args,
     nonneg_int,

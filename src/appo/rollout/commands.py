@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from appo.commands import add_config_args, config_from_args, positive_int, split_overrides
+from appo.cli_args import add_config_args, config_from_args, positive_int, split_overrides
 
 
 def _prompt_ids(lm, question: str, cfg, tags: list[str]) -> list[int]:
