@@ -16,7 +16,7 @@ import pytest
 
 import appo
 from appo.errors import AppoError
-from appo.registry import REWARDS, STRATEGIES
+from appo.registry import ADV_ESTIMATORS, POLICY_LOSSES, REWARDS, STRATEGIES
 from cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,10 +32,11 @@ def clean_registry():
     """Strategies a test registers are gone afterwards (the reference pages, generated in
     the same process by another test, list the registry's names), and a plugin file is
     imported afresh by the next test that loads it."""
-    before = {id(r): set(r) for r in (STRATEGIES, REWARDS)}
+    registries = (STRATEGIES, REWARDS, ADV_ESTIMATORS, POLICY_LOSSES)
+    before = {id(r): set(r) for r in registries}
     modules = set(sys.modules)
     yield
-    for registry in (STRATEGIES, REWARDS):
+    for registry in registries:
         for name in set(registry) - before[id(registry)]:
             registry.unregister(name)
     for name in set(sys.modules) - modules:
@@ -134,6 +135,7 @@ def check_dump(dump: Path) -> None:
     rows = [json.loads(line) for line in (dump / "step_00001.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3
     assert {r["extra"]["strategy"] for r in rows} == {"fixed_split"}
+    assert {r["extra"]["model"] for r in rows} == {"tiny-test"}  # for appo view
     by_id = {r["traj_id"]: r for r in rows}
     roots = [r for r in rows if r["parent_id"] is None]
     assert len(roots) == 2 and len({r["uid"] for r in roots}) == 2
@@ -223,3 +225,83 @@ def test_reward_registration_and_selection_refusals(clean_registry):
                                         r"of that name is registered \(registered: "
                                         r"deep_research, math, qa\)"):
         router_from_config(cfg)
+
+
+LOSS_PLUGIN = """
+import appo
+from appo.algos import vanilla_policy_loss
+
+@appo.register_policy_loss("counted")
+def counted(logp, old_logp, advantages, loss_mask, *, agg, params, entropy=None):
+    loss, metrics = vanilla_policy_loss(logp, old_logp, advantages, loss_mask, agg=agg,
+                                        params=params, entropy=entropy)
+    with open(LOG, "a") as f:
+        f.write("called\\n")
+    return loss, {**metrics, "counted_calls": 1.0}
+"""
+
+
+def test_a_plugin_policy_loss_trains_from_the_command_line(tmp_path, clean_registry):
+    """A policy loss registered by a --plugin file (delegating to the built-in vanilla loss)
+    is a valid actor.policy_loss and is what the update calls."""
+    run, log = tmp_path / "run", tmp_path / "calls.log"
+    plugin = tmp_path / "losses.py"
+    plugin.write_text(f"LOG = {str(log)!r}\n" + LOSS_PLUGIN)
+    r = run_cli("train", *TINY, "actor.policy_loss=counted")
+    assert r.returncode == 2 and "'counted' (choose from vanilla, entropy_balanced, future_kl)" \
+        in r.stderr, r.stderr
+    r = run_cli("train", "--plugin", str(plugin), *TINY, "actor.policy_loss=counted",
+                f"trainer.default_local_dir={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = log.read_text().splitlines()
+    assert calls and set(calls) == {"called"}  # one per micro-batch of the step's update
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1]
+    assert rows[0]["actor/counted_calls"] > 0 and "actor/pg_loss" in rows[0]
+    assert (run / "global_step_1").is_dir()
+
+
+def test_advantage_and_loss_registries_reach_validation_and_the_tables(clean_registry):
+    """The trainer's tables (appo.algos) and the config's choices hold the same names, a
+    user's included; unknown names list every registered one."""
+    import torch
+
+    from appo import algos
+    from appo.config import CHOICES
+
+    def halved(scores, response_mask, groups, *, params, tree=None, values=None):
+        adv, metrics = algos.grpo_advantage(scores, response_mask, groups, params=params)
+        return adv / 2, metrics
+
+    assert appo.register_advantage("halved", halved) is halved
+    assert appo.get_advantage("halved") is halved and algos.ADV_ESTIMATORS["halved"] is halved
+    assert appo.get_advantage("grpo") is algos.grpo_advantage
+    assert appo.get_policy_loss("future_kl") is algos.future_kl_policy_loss
+    cfg = appo.load_config(overrides=["algorithm.adv_estimator=halved"])
+    assert cfg.algorithm.adv_estimator == "halved"
+    scores, mask = torch.tensor([1.0, 0.0]), torch.ones(2, 3)
+    want, _ = algos.grpo_advantage(scores, mask, ["a", "a"], params=algos.AdvantageParams())
+    got, _ = algos.ADV_ESTIMATORS["halved"](scores, mask, ["a", "a"],
+                                            params=algos.AdvantageParams())
+    assert torch.equal(got, want / 2)
+    for key, table in (("algorithm.adv_estimator", algos.ADV_ESTIMATORS),
+                       ("actor.policy_loss", algos.POLICY_LOSSES)):
+        assert tuple(table) == CHOICES[key]
+    with pytest.raises(AppoError, match=r"unknown policy loss 'nope' \(choose from vanilla, "
+                                        r"entropy_balanced, future_kl\)"):
+        appo.get_policy_loss("nope")
+    with pytest.raises(AppoError, match=r"'nope' \(choose from grpo, rloo, "
+                                        r"reinforce_plus_plus, appo, gae, halved\)"):
+        appo.load_config(overrides=["algorithm.adv_estimator=nope"])
+    with pytest.raises(AppoError, match="'gae': that is a built-in's name"):
+        appo.register_advantage("gae", halved)
+
+    @appo.register_policy_loss("decorated_loss")
+    def decorated_loss(logp, old_logp, advantages, loss_mask, *, agg, params, entropy=None):
+        return algos.vanilla_policy_loss(logp, old_logp, advantages, loss_mask, agg=agg,
+                                         params=params)
+
+    assert algos.POLICY_LOSSES["decorated_loss"] is decorated_loss
+    POLICY_LOSSES.unregister("decorated_loss")
+    assert "decorated_loss" not in algos.POLICY_LOSSES
+    assert tuple(algos.POLICY_LOSSES) == CHOICES["actor.policy_loss"]

@@ -75,6 +75,80 @@ def test_the_documented_example_runs_as_written(tmp_path, monkeypatch):
     assert record["objects"]["val_data"].startswith("2 rows in memory, sha256 ")
 
 
+# Issue 42's snippet, character for character; its three `...` are placeholders (a body,
+# a prompt, an answer, more rows), which FILLS gives values. The test checks that undoing
+# FILLS gives the issue's text back, so nothing else in it was changed.
+ISSUE_SNIPPET = """import appo
+
+def my_reward(completion: str, example: dict) -> float: ...   # or a dict with "score"
+
+cfg = appo.load_config("my.yaml", overrides=["trainer.total_steps=2"])  # path optional
+trainer = appo.RLTrainer(cfg, reward_fn=my_reward,
+                         train_data=[{"prompt": "...", "answer": "..."}, ...])
+history = trainer.fit()          # list of per-step metric dicts
+"""
+FILLS = [
+    ("-> float: ...", "-> float: return float(example['answer'] in completion)"),
+    ('[{"prompt": "...", "answer": "..."}, ...]',
+     '[{"prompt": "What is 2 + 2?", "answer": "4"}, {"prompt": "What is 3 + 3?", "answer": "6"}]'),
+]
+MY_YAML = """model: {path: tiny-test}
+data: {max_prompt_length: 1024, max_response_length: 16, train_batch_size: 2, val_files: []}
+rollout: {n: 2, initial_rollouts: 1}
+actor: {ppo_mini_batch_size: 2}
+trainer: {logger: [jsonl]}
+"""
+
+
+def test_the_issue_snippet_runs_as_written(tmp_path, monkeypatch):
+    """Issue 42's Python API, with its placeholders filled: a `(completion, example)` reward
+    and rows whose `prompt` is a plain string. The reward is wrapped (same name and
+    parameters) to see what it was called with."""
+    code = ISSUE_SNIPPET
+    for placeholder, value in FILLS:
+        assert code.count(placeholder) == 1
+        code = code.replace(placeholder, value)
+    undone = code
+    for placeholder, value in FILLS:
+        undone = undone.replace(value, placeholder)
+    assert undone == ISSUE_SNIPPET
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.yaml").write_text(MY_YAML)
+    calls: list[tuple] = []
+    given = trainer_objects.PythonObjects.given.__func__
+
+    def spy(cls, cfg, reward_fn=None, *args, **kwargs):
+        @functools.wraps(reward_fn)
+        def recorded(completion: str, example: dict) -> float:
+            value = reward_fn(completion, example)
+            calls.append((completion, example, value))
+            return value
+
+        return given(cls, cfg, recorded, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_objects.PythonObjects, "given", classmethod(spy))
+    namespace: dict = {"__name__": "issue_snippet"}
+    exec(compile(code, "issue 42", "exec"), namespace)  # noqa: S102
+
+    history = namespace["history"]
+    assert [h["step"] for h in history] == [1, 2]
+    assert len(calls) == 2 * 2 * 2  # 2 steps x 2 prompts x n=2
+    answers = {"What is 2 + 2?": "4", "What is 3 + 3?": "6"}
+    for completion, example, value in calls:
+        assert isinstance(completion, str)
+        assert example["prompt"] == example["question"] and example["prompt"] in answers
+        assert example["answer"] == example["ground_truth"] == answers[example["prompt"]]
+        assert example["data_source"] == "train_data"
+        assert value == float(example["answer"] in completion)
+    assert history[0]["reward/mean"] == pytest.approx(sum(c[2] for c in calls[:4]) / 4)
+    # The rows' prompt strings are the user turns the model was asked.
+    trainer = namespace["trainer"]
+    assert sorted((ex.prompt[-1]["role"], ex.prompt[-1]["content"])
+                  for ex in trainer.train_data) == [("user", q) for q in sorted(answers)]
+    record = json.loads((trainer.out_dir / "run.json").read_text())
+    assert record["objects"]["reward_fn"] == "issue_snippet.my_reward"
+
+
 def length_reward(solution_str, ground_truth):
     """Varies with the sampled text, so the step's mean says whose values it averaged."""
     return {"score": len(solution_str) / 100.0, "acc": float(ground_truth == "4"),
@@ -154,14 +228,54 @@ def test_a_reward_object_and_a_reward_file_are_refused_together(tmp_path):
         router_from_config(cfg, reward_fn=other_reward)
 
 
-def test_a_reward_with_a_parameter_it_cannot_get_is_refused():
+@pytest.mark.parametrize("params, message", [
+    ("text, row", "parameter(s) text, row cannot be given; a reward function takes "
+                  "(data_source, solution_str, ground_truth, extra_info)"),
+    ("completion, ground_truth", "mixes the parameters of two forms (completion, "
+                                 "ground_truth)"),
+    ("completion, example, scale", "parameter(s) scale cannot be given"),
+    ("x, /", "parameter(s) x cannot be given"),
+])
+def test_a_reward_of_neither_form_is_refused_in_one_line(params, message):
+    from appo.rewards.router import RewardRouter
+    from appo.trainer.objects import PythonObjects
+
+    namespace: dict = {}
+    exec(f"def odd({params}):\n    return 0.0\n", namespace)  # noqa: S102
+    for build in (lambda: RewardRouter(custom_fn=namespace["odd"]),
+                  lambda: PythonObjects.given(appo.load_config(), reward_fn=namespace["odd"]),
+                  lambda: appo.register_reward("odd_form", namespace["odd"])):
+        with pytest.raises(AppoError, match=re.escape(message)) as e:
+            build()
+        assert "\n" not in str(e.value)
+    from appo.registry import REWARDS
+
+    assert "odd_form" not in REWARDS
+
+
+def test_a_reward_of_the_example_form_gets_the_text_and_the_row():
     from appo.rewards.router import RewardRouter
 
-    def wants_completion(completion, example):
+    got = []
+
+    def reward(completion: str, example: dict) -> float:
+        got.append((completion, example))
+        return 0.75
+
+    router = RewardRouter(custom_fn=reward)
+    out = router("mine", "the answer is 4", "4", {"index": 3, "question": "2 + 2?",
+                                                  "level": "easy"}, "math")
+    assert out.score == 0.75 and out.reward_fn.endswith("reward")
+    assert got == [("the answer is 4", {
+        "index": 3, "question": "2 + 2?", "prompt": "2 + 2?", "level": "easy", "answer": "4",
+        "ground_truth": "4", "data_source": "mine", "ability": "math"})]
+
+    def only_text(completion, example=None):  # a defaulted `example`: passed all the same
+        got.append((completion, example is not None))
         return 0.0
 
-    with pytest.raises(AppoError, match="completion, example are none of data_source"):
-        RewardRouter(custom_fn=wants_completion)
+    RewardRouter(custom_fn=only_text)("mine", "x", "4", None, "math")
+    assert got[-1] == ("x", True)
 
 
 def test_a_reward_function_gets_verls_arguments_by_name():

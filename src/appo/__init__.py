@@ -14,6 +14,9 @@ The front door (docs/python-api.md):
     @appo.register_reward("exact")    # rows of data_source "exact", or
     def exact(solution_str, ground_truth): ...  # custom_reward_function.name=exact
 
+    @appo.register_policy_loss("mine")  # actor.policy_loss=mine (and register_advantage
+    def mine(logp, old_logp, advantages, loss_mask, *, agg, params, entropy=None): ...
+
 Stages are importable on their own: ``appo.models``, ``appo.tools``, ``appo.rollout``,
 ``appo.algos``, ``appo.rewards``, ``appo.data``, ``appo.trainer``, ``appo.eval``.
 Nothing heavy is imported here (the names above are looked up on first use), so
@@ -34,9 +37,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AppoError": ("appo.errors", "AppoError"),
     "RLTrainer": ("appo.trainer.loop", "RLTrainer"),
     "RewardOutput": ("appo.rewards.base", "RewardOutput"),
+    "get_advantage": ("appo.registry", "get_advantage"),
+    "get_policy_loss": ("appo.registry", "get_policy_loss"),
     "get_strategy": ("appo.registry", "get_strategy"),
     "load_config": ("appo.config", "load_config"),
     "load_plugin": ("appo.plugins", "load_plugin"),
+    "register_advantage": ("appo.registry", "register_advantage"),
+    "register_policy_loss": ("appo.registry", "register_policy_loss"),
     "register_reward": ("appo.registry", "register_reward"),
     "register_strategy": ("appo.registry", "register_strategy"),
 }

@@ -29,17 +29,21 @@ import traceback
 from appo.cli_examples import epilog
 from appo.errors import AppoError
 
-# Modules with a `register(subparsers)` function. Order = order in `appo --help`.
-COMMAND_MODULES = [
-    "appo.commands",
-    "appo.tools.commands",
-    "appo.data.commands",
-    "appo.rollout.commands",
-    "appo.trainer.commands",
-    "appo.eval.commands",
-    "appo.compare.commands",
-    "appo.reference.commands",
-]
+# Modules with a `register(subparsers)` function, and the top-level commands each registers
+# (a test checks the names against what `register` adds). Order = order in `appo --help`.
+# `appo CMD ...` builds the parser of CMD's module only, so a command imports no other
+# area's code: `appo search` stays free of torch, which the rollout package imports.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "appo.commands": ("config", "models", "generate"),
+    "appo.tools.commands": ("search", "tool"),
+    "appo.data.commands": ("data",),
+    "appo.rollout.commands": ("rollout",),
+    "appo.trainer.commands": ("plan", "export", "sft", "train", "demo"),
+    "appo.eval.commands": ("eval", "view"),
+    "appo.compare.commands": ("compare",),
+    "appo.reference.commands": ("reference",),
+}
+COMMAND_MODULES = list(COMMANDS)
 
 # Sub-commands that read a config (`add_config_args`) and take `--model SPEC` for
 # `model.path`, as `appo generate`, `rollout` and `eval` do. TODO(lead): the owners of
@@ -91,7 +95,10 @@ class AppoArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `appo` parser; with `command` (a top-level command's name), only the module that
+    registers it is imported and registered (`COMMANDS`)."""
+    modules = [m for m, names in COMMANDS.items() if command in names] or COMMAND_MODULES
     parser = AppoArgumentParser(
         prog="appo",
         description="Train tool-using reasoning agents with ARPO / AEPO / APPO.",
@@ -99,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"appo {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in modules:
         importlib.import_module(name).register(sub)
-    from appo.commands import add_model_option
+    from appo.cli_args import add_model_option
 
     for words, command in sub_commands(parser).items():
         if words in MODEL_OPTION_COMMANDS:
@@ -139,8 +146,15 @@ def version() -> str:
         return getattr(appo, "__version__", "unknown")
 
 
+def _command_word(argv: list[str] | None) -> str | None:
+    """The top-level command of a command line: its first word that is not an option (the
+    options before it, `--debug`, take no value)."""
+    words = sys.argv[1:] if argv is None else argv
+    return next((w for w in words if not w.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_command_word(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed: a status, as below
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        from appo.commands import load_plugin_args
+        from appo.cli_args import load_plugin_args
 
         # User code that registers strategies: before the handler loads a config.
         load_plugin_args(args)

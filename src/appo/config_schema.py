@@ -22,7 +22,7 @@ from appo.config_schema_update import (
     FSDPOffloadConfig,
     OptimConfig,
 )
-from appo.registry import STRATEGIES, Names
+from appo.registry import ADV_ESTIMATORS, POLICY_LOSSES, STRATEGIES, Names
 
 __all__ = [
     "CHOICES", "LIST_CHOICES", "MISSING", "ActorConfig", "AlgorithmConfig", "AppoConfig",
@@ -419,8 +419,9 @@ class AppoConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
 
 
-# Keys whose value selects a registered implementation. Kept here as plain tuples so that
-# loading a config never imports torch; tests assert they equal the real registries.
+# Keys whose value selects a registered implementation: plain tuples, or a registry's live
+# names (`Names`, torch-free) where a user may register more; tests assert the tuples equal
+# the real tables.
 CHOICES: dict[str, tuple[str, ...] | Names] = {
     "model.dtype": ("float32", "bfloat16", "float16", "auto"),
     "model.device": ("auto", "cpu", "cuda"),
@@ -434,8 +435,9 @@ CHOICES: dict[str, tuple[str, ...] | Names] = {
     "rollout.on_limit": ("stop", "notify"),
     "rollout.weight_transfer": ("auto", "file", "group"),
     "tools.format": ("tags", "hermes"),
-    "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus", "appo", "gae"),
-    "actor.policy_loss": ("vanilla", "entropy_balanced", "future_kl"),
+    # Registries too (appo.registry; their built-ins are appo.algos' tables).
+    "algorithm.adv_estimator": Names(ADV_ESTIMATORS),
+    "actor.policy_loss": Names(POLICY_LOSSES),
     "actor.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",

@@ -1,5 +1,5 @@
 """Name -> implementation registries that config validation consults (rollout strategies,
-reward functions).
+reward functions, advantage estimators, policy losses).
 
 A config key that selects an implementation by name (`rollout.strategy`) is valid when the
 name is registered here, so a user's strategy registered at run time
@@ -9,6 +9,13 @@ exactly as a built-in does. There is one list of names per key: this registry.
 Built-ins register the same way as user code, by name, but as a `"module:attribute"`
 reference resolved on first use: loading a config must not import torch (the strategies'
 modules do), and `appo --help` stays fast. User entries are the objects themselves.
+
+The pure-torch layer (`appo.algos`) may import nothing of appo's but its errors, so it keeps
+its own lookup tables (`appo.algos.ADV_ESTIMATORS`, `appo.algos.POLICY_LOSSES`, the
+built-ins) and the trainer reads those: a registry with a `table` writes each user entry
+into that table as well (and removes it on `unregister`), so both always hold the same names
+(a test checks). Writing the table imports its module, i.e. torch, when a user registers an
+estimator or a loss, which is torch code anyway.
 
 Rules: a built-in name cannot be taken (one line naming the built-ins); a user name may be
 registered again by an object of the same qualified name (a module imported twice), not by
@@ -39,18 +46,19 @@ class Registry(Mapping[str, Any]):
     registration order), `registry[name]` (the implementation, a built-in imported on first
     use)."""
 
-    def __init__(self, what: str, key: str, builtins: dict[str, str]) -> None:
+    def __init__(self, what: str, key: str, builtins: dict[str, str],
+                 table: str | None = None) -> None:
         self.what = what
         self.key = key
         self._builtins = dict(builtins)
         self._entries: dict[str, Any] = dict(builtins)
+        self._table = table  # "module:attr" of a dict that receives the user entries too
 
     # ------------------------------------------------------------ Mapping
     def __getitem__(self, name: str) -> Any:
         entry = self._entries[name]
         if isinstance(entry, str) and name in self._builtins:
-            module, _, attr = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attr)
+            entry = _resolve(entry)
             self._entries[name] = entry
         return entry
 
@@ -95,13 +103,22 @@ class Registry(Mapping[str, Any]):
             raise AppoError(f"register a {self.what} {name!r}: already registered as "
                             f"{qualified_name(old)}; choose another name")
         self._entries[name] = obj
+        if self._table is not None:
+            _resolve(self._table)[name] = obj
         return obj
 
     def unregister(self, name: str) -> None:
         """Remove a user entry (tests, notebooks); built-ins stay."""
         if name in self._builtins:
             raise AppoError(f"cannot unregister the built-in {self.what} {name!r}")
-        self._entries.pop(name, None)
+        if self._entries.pop(name, None) is not None and self._table is not None:
+            _resolve(self._table).pop(name, None)
+
+
+def _resolve(reference: str) -> Any:
+    """The object a `"module:attribute"` reference names (its module imported)."""
+    module, _, attr = reference.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 class Names:
@@ -171,8 +188,60 @@ def register_reward(name: str, fn: Any = None) -> Any:
     by it, and `custom_reward_function.name=name` (with no `.path`) scores every row by it.
 
     `fn` takes verl's `compute_score` parameters by name (`data_source, solution_str,
-    ground_truth, extra_info`; only those it declares) and returns a number or a dict with
-    `score`. Without it, a decorator: `@register_reward("exact")`."""
+    ground_truth, extra_info`; only those it declares) or `(completion, example)`
+    (`appo.rewards.user_fn`; another form is refused here) and returns a number or a dict
+    with `score`. Without it, a decorator: `@register_reward("exact")`."""
     if fn is None:
-        return lambda f: REWARDS.register(name, f)
+        return lambda f: register_reward(name, f)
+    if callable(fn):
+        from appo.rewards.user_fn import reward_form
+
+        reward_form(fn, f"{name!r} ({qualified_name(fn)})")
     return REWARDS.register(name, fn)
+
+
+ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator", {
+    name: f"appo.algos.advantages:{name}_advantage"
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "appo", "gae")
+}, table="appo.algos.advantages:ADV_ESTIMATORS")
+
+
+def register_advantage(name: str, fn: Any = None) -> Any:
+    """Register an advantage estimator as `algorithm.adv_estimator=name`.
+
+    `fn(scores, response_mask, groups, *, params, tree=None, values=None) -> (advantages,
+    metrics)`: `scores` `[B]`, `response_mask` `[B, R]`, `groups` the B group ids,
+    `params` an `appo.algos.AdvantageParams`; advantages `[B, R]`, metrics a dict of floats
+    (logged under `adv/`). Without `fn`, a decorator: `@register_advantage("mine")`."""
+    if fn is None:
+        return lambda f: ADV_ESTIMATORS.register(name, f)
+    return ADV_ESTIMATORS.register(name, fn)
+
+
+def get_advantage(name: str) -> Any:
+    """The advantage estimator registered as `name` (built-ins included); unknown: one line."""
+    return ADV_ESTIMATORS.get_checked(name)
+
+
+POLICY_LOSSES = Registry("policy loss", "actor.policy_loss", {
+    name: f"appo.algos.policy_losses:{name}_policy_loss"
+    for name in ("vanilla", "entropy_balanced", "future_kl")
+}, table="appo.algos.policy_losses:POLICY_LOSSES")
+
+
+def register_policy_loss(name: str, fn: Any = None) -> Any:
+    """Register a policy loss as `actor.policy_loss=name`.
+
+    `fn(logp, old_logp, advantages, loss_mask, *, agg, params, entropy=None) -> (loss,
+    metrics)` (`appo.algos.policy_losses.PolicyLossFn`): per-token `[B, R]` tensors, `agg`
+    the `appo.algos.LossAgg` that normalises the sum, `params` an
+    `appo.algos.PolicyLossParams`; a scalar loss, metrics a dict of floats (logged under
+    `actor/`). Without `fn`, a decorator: `@register_policy_loss("mine")`."""
+    if fn is None:
+        return lambda f: POLICY_LOSSES.register(name, f)
+    return POLICY_LOSSES.register(name, fn)
+
+
+def get_policy_loss(name: str) -> Any:
+    """The policy loss registered as `name` (built-ins included); unknown: one line."""
+    return POLICY_LOSSES.get_checked(name)

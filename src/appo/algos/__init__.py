@@ -1,7 +1,9 @@
 """Algorithm core: pure torch functions for advantages, policy losses, KL and aggregation.
 
 No models, no config objects: tensors and scalars in, `(value, metrics)` out. Four
-registries, whose names are the config choices (`appo.config.CHOICES`):
+registries, whose names are the config choices (`appo.config.CHOICES`); a user's estimator
+or loss registered through `appo.register_advantage` / `appo.register_policy_loss`
+(`appo.registry`, which this package does not import) is written into the first two:
 
 - `ADV_ESTIMATORS` (`algorithm.adv_estimator`): grpo, rloo, reinforce_plus_plus, appo, gae
   (the last reads a value model's `values`; its clipped value loss is `clipped_value_loss`).

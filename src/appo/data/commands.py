@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from appo.commands import nonneg_int, positive_int
+from appo.cli_args import nonneg_int, positive_int
 
 
 def register(sub) -> None:

@@ -14,15 +14,13 @@ import math
 import sys
 from pathlib import Path
 
-from appo.commands import (
+from appo.cli_args import (
     add_config_args,
     config_from_args,
     nonneg_int,
     positive_float,
     positive_int,
 )
-
-DEFAULT_VIEW_MODEL = "smollm2-135m"
 
 
 def load_tokenizer(spec: str):
@@ -177,15 +175,23 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    from appo.eval.viewer import check_view_output, load_trajectories, render_html
+    from appo.eval.viewer import (
+        check_view_model,
+        check_view_output,
+        load_trajectories,
+        recorded_models,
+        render_html,
+    )
     from appo.outdir import write_output
 
     check_view_output(args.output, args.files)
     trajs = load_trajectories(args.files)
     tokenizer = None
     needs = any(not isinstance(t.extra.get("token_text"), list) for t in trajs)
+    model = check_view_model(recorded_models(trajs, args.files), args.model, args.force_model,
+                             needs)
     if needs or args.model:
-        tokenizer = load_tokenizer(args.model or DEFAULT_VIEW_MODEL)
+        tokenizer = load_tokenizer(model)
     title = args.title or ", ".join(Path(p).name for p in args.files)
     text = render_html(trajs, tokenizer, title=title, max_prompts=args.max_prompts)
     out = Path(args.output)
@@ -251,7 +257,11 @@ def register(sub) -> None:
     p.add_argument("files", nargs="+", help="rollout JSONL files or directories of them")
     p.add_argument("--output", "-o", default="report.html", help="HTML file to write")
     p.add_argument("--model", "-m", default=None,
-                   help="tokenizer for dumps without token text (default: smollm2-135m)")
+                   help="tokenizer for dumps without token text (default: the model the dump "
+                   "records; a different one is refused)")
+    p.add_argument("--force-model", action="store_true",
+                   help="read the dump with --model's tokenizer even though it records "
+                   "another model")
     p.add_argument("--max-prompts", type=positive_int, default=None, help="show the first N prompts")
     p.add_argument("--title", default=None, help="page title")
     p.set_defaults(handler=_view)

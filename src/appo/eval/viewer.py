@@ -11,7 +11,9 @@ server). Everything from the dump is model output and is escaped: nothing from t
 up inside a script or an unescaped attribute, so a completion cannot inject markup or code.
 
 Token text comes from the dump (`extra["token_text"]`, one string per response token, as
-the evaluator writes) or, failing that, from a tokenizer (`--model`).
+the evaluator writes) or, failing that, from a tokenizer: the model the dump records
+(`recorded_models`), or `--model`. A `--model` other than the recorded one is refused
+(`check_view_model`), since another tokenizer would render other text from the same ids.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from appo.errors import AppoError
 from appo.eval.tokens import token_texts
 from appo.jsonl import iter_lines
 from appo.outdir import write_output
-from appo.rollout.records import Trajectory
+from appo.rollout.records import Trajectory, model_record
 
 SHADE_RGB = (235, 110, 20)
 
@@ -107,6 +109,46 @@ def load_trajectories(paths: Sequence[str | Path]) -> list[Trajectory]:
     if not out:
         raise AppoError(f"no trajectories in {', '.join(map(str, paths))}")
     return out
+
+
+def recorded_models(trajs: Sequence[Trajectory], paths: Sequence[str | Path]) -> list[str]:
+    """The model specs that wrote the dumps, sorted: each line's `extra["model"]` (trainer
+    dumps, `appo rollout -o`), and for an eval's `<out>/<benchmark>/trajectories.jsonl` the
+    `model.path` its output directory records (`<out>/eval.json`)."""
+    from appo.eval.runner import IDENTITY_FILE
+    from appo.rollout.records import MODEL_KEY
+
+    models = {t.extra[MODEL_KEY] for t in trajs if isinstance(t.extra.get(MODEL_KEY), str)}
+    for path in _expand(paths):
+        sidecar = path.parent.parent / IDENTITY_FILE
+        if path.name == "trajectories.jsonl" and sidecar.is_file():
+            try:
+                spec = json.loads(sidecar.read_text(encoding="utf-8")).get("model.path")
+            except (OSError, ValueError, AttributeError):
+                spec = None
+            if isinstance(spec, str):
+                models.add(model_record(spec))
+    return sorted(models)
+
+
+def check_view_model(recorded: Sequence[str], model: str | None, force: bool,
+                     needs_tokenizer: bool) -> str | None:
+    """The model whose tokenizer reads the dumps (None: none needed); one line refusing a
+    `--model` other than the recorded one (unless `force`), dumps of several models, or a
+    dump that records neither its model nor its token text when no `--model` is given."""
+    if len(recorded) > 1 and not (model and force):
+        raise AppoError(f"the dumps were written by different models ({', '.join(recorded)}): "
+                        "view them one model at a time")
+    if model is not None and recorded and model_record(model) not in recorded and not force:
+        raise AppoError(f"--model {model} is not the model that wrote the dump "
+                        f"({recorded[0]}), whose tokenizer renders its tokens: drop --model, "
+                        "or add --force-model to read it with this one anyway")
+    if model is None and recorded:
+        model = recorded[0]
+    if model is None and needs_tokenizer:
+        raise AppoError("the dump holds no token text and does not record the model that "
+                        "wrote it: give --model (that model, whose tokenizer reads its ids)")
+    return model
 
 
 # ---------------------------------------------------------------- rendering

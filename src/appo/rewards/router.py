@@ -11,10 +11,11 @@ Routing order (first hit wins):
 4. otherwise an `AppoError` naming the data source and ability, raised by `resolve` so a
    trainer can check a whole dataset before the first rollout.
 
-User functions follow verl's signature `(data_source, solution_str, ground_truth,
-extra_info) -> float | dict` (only the parameters the function declares are passed, so
-the original ARPO `compute_score(solution_str, ground_truth, extra_info)` files load as
-they are). A dict must hold `score`; `acc`/`accuracy` and `reason` are used when present,
+User functions take verl's parameters `(data_source, solution_str, ground_truth,
+extra_info)` (only those declared are passed, by name, so the original ARPO
+`compute_score(solution_str, ground_truth, extra_info)` files load as they are) or the form
+`(completion, example)` (the response text and the row as a dict); the rule is
+`appo.rewards.user_fn`. They return a float or a dict. A dict must hold `score`; `acc`/`accuracy` and `reason` are used when present,
 other numeric entries become metrics. An exception inside the user function is recorded as
 the reason with score 0 and counted in `RewardRouter.errors`; it does not end the run.
 """
@@ -22,7 +23,6 @@ the reason with score 0 and counted in `RewardRouter.errors`; it does not end th
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import numbers
 import sys
@@ -33,6 +33,7 @@ from typing import Any
 from appo.errors import AppoError
 from appo.registry import REWARDS, qualified_name
 from appo.rewards.base import RewardOutput
+from appo.rewards.user_fn import FORMS_TEXT, RewardForm, call_arguments, reward_form
 
 log = logging.getLogger(__name__)
 DEFAULT_FUNCTION_NAME = "compute_score"  # custom_reward_function.name's default
@@ -87,34 +88,12 @@ def load_custom_reward(path: str | Path, name: str = "compute_score") -> Callabl
     return fn
 
 
-def _param_names(fn: Callable[..., Any]) -> set[str] | None:
-    """The parameters a user function declares (None: it takes `**kwargs`, so all)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return None
-    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params)
-
-
 def _check_callable(fn: Any) -> Callable[..., Any]:
-    """A reward given as a Python object: callable, with parameters this router can pass
-    by name (verl's `data_source, solution_str, ground_truth, extra_info`), else one line."""
+    """A reward given as a Python object: callable, else one line (its form is checked by
+    `reward_form`)."""
     if not callable(fn):
         raise AppoError(f"reward_fn: {type(fn).__name__} is not callable (give a function "
-                        "(data_source, solution_str, ground_truth, extra_info) -> float | dict)")
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn  # a builtin without a signature: called with all four by name
-    known = {"data_source", "solution_str", "ground_truth", "extra_info"}
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        unknown = [name for name, p in params.items()
-                   if name not in known and p.default is p.empty
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if unknown:
-            raise AppoError(f"reward_fn {qualified_name(fn)}: parameter(s) "
-                            f"{', '.join(unknown)} are none of {', '.join(sorted(known))}, "
-                            "which is what a reward function is called with (by name)")
+                        f"taking {FORMS_TEXT}, returning a float or a dict with 'score')")
     return fn
 
 
@@ -173,7 +152,7 @@ class RewardRouter:
         self.errors = 0
         self.custom: Callable[..., Any] | None = None
         self.custom_label = ""
-        self._custom_params: set[str] | None = None
+        self._custom_form: RewardForm | None = None
         if custom_fn is not None and custom_path:
             raise AppoError("a reward function given in Python (reward_fn=) and "
                             f"custom_reward_function.path={custom_path}: give one")
@@ -184,7 +163,8 @@ class RewardRouter:
             self.custom = load_custom_reward(custom_path, custom_name)
             self.custom_label = f"custom:{Path(custom_path).name}:{custom_name}"
         if self.custom is not None:
-            self._custom_params = _param_names(self.custom)
+            self._custom_form = reward_form(self.custom, self.custom_label.removeprefix(
+                "custom:"))
 
     def resolve(self, data_source: str, ability: str | None = None) -> str:
         """The reward name for a row; AppoError if neither data_source nor ability routes."""
@@ -215,23 +195,21 @@ class RewardRouter:
         ability: str | None = None,
     ) -> RewardOutput:
         if self.custom is not None:
-            return self._call_user(self.custom, self.custom_label, self._custom_params,
-                                   data_source, solution_str, ground_truth, extra_info)
+            return self._call_user(self.custom, self.custom_label, self._custom_form,
+                                   data_source, solution_str, ground_truth, extra_info, ability)
         name = self.resolve(data_source, ability)
-        if not REWARDS.is_builtin(name):  # registered by the user: verl's parameters by name
+        if not REWARDS.is_builtin(name):  # registered by the user: either form, by name
             fn = REWARDS[name]
-            return self._call_user(fn, f"registered:{name}", _param_names(fn), data_source,
-                                   solution_str, ground_truth, extra_info)
+            return self._call_user(fn, f"registered:{name}", reward_form(fn, name),
+                                   data_source, solution_str, ground_truth, extra_info, ability)
         return REWARD_FNS[name](
             solution_str, ground_truth, extra_info, **self.reward_kwargs.get(name, {})
         )
 
-    def _call_user(self, fn, label, params, data_source, solution_str, ground_truth,
-                   extra_info) -> RewardOutput:
-        kwargs = {"data_source": data_source, "solution_str": solution_str,
-                  "ground_truth": ground_truth, "extra_info": extra_info}
-        if params is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    def _call_user(self, fn, label, form, data_source, solution_str, ground_truth,
+                   extra_info, ability) -> RewardOutput:
+        kwargs = call_arguments(form, data_source, solution_str, ground_truth, extra_info,
+                                ability)
         try:
             value = fn(**kwargs)
         except Exception as e:  # noqa: BLE001 - a user function failing on one completion

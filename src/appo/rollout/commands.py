@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from appo.commands import add_config_args, config_from_args, positive_int, split_overrides
+from appo.cli_args import add_config_args, config_from_args, positive_int, split_overrides
 
 
 def _prompt_ids(lm, question: str, cfg, tags: list[str]) -> list[int]:
@@ -83,7 +83,8 @@ def _rollout(args: argparse.Namespace) -> int:
             close()
     print(render_tree(batch, lm.tokenizer, width=args.width))
     if args.out:
-        count = write_jsonl(batch.trajectories, args.out, tokenizer=lm.tokenizer)
+        count = write_jsonl(batch.trajectories, args.out, tokenizer=lm.tokenizer,
+                            model=cfg.model.path)
         print(f"wrote {count} trajectories to {args.out}")
     return 0
 

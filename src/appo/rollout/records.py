@@ -233,9 +233,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+MODEL_KEY = "model"  # extra["model"]: the model spec that wrote a dump line (`appo view`)
+
+
+def model_record(spec: str | Path) -> str:
+    """A model spec as a dump records it: a local path made absolute (so `appo view` finds it
+    from another directory), an alias or hub id as given."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    return str(path.resolve()) if path.exists() else text
+
+
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=None,
-                annotations: Sequence[dict[str, Any]] | None = None) -> int:
+                annotations: Sequence[dict[str, Any]] | None = None,
+                model: str | Path | None = None) -> int:
     """Write one trajectory per line; returns the number written.
+
+    `model`: the model spec that produced them (`model.path`), recorded in each line's
+    `extra["model"]` (`model_record`), so `appo view` reads the dump with its tokenizer.
 
     With a tokenizer, each line also carries `prompt_text` and `response_text` (decoded
     ids, special tokens kept) so a dump can be read with `jq`/`grep`; the ids stay the
@@ -251,6 +266,8 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path, tokenizer=
             data = traj.to_dict()
             if annotations is not None:
                 data["extra"] = {**data["extra"], **annotations[i]}
+            if model is not None:
+                data["extra"] = {**data["extra"], MODEL_KEY: model_record(model)}
             for key in ("logp_rollout", "entropy"):
                 data[key] = [_finite(float(v)) for v in data[key]]
             if data["reward"] is not None:

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from appo.commands import positive_float, positive_int
+from appo.cli_args import positive_float, positive_int
 from appo.errors import AppoError
 
 

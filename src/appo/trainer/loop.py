@@ -264,7 +264,8 @@ class RLTrainer:
         for i, adv in enumerate(advantages or []):
             notes[i]["advantage"] = adv
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(trajs, path, tokenizer=self.tokenizer, annotations=notes)
+        write_jsonl(trajs, path, tokenizer=self.tokenizer, annotations=notes,
+                    model=self.cfg.model.path)  # for appo view
 
     # ------------------------------------------------------------------ weights
     def sync_rollout_weights(self) -> None:

@@ -25,6 +25,7 @@ from appo.data.sources import InMemoryRows, rows_from_object
 from appo.errors import AppoError
 from appo.fsutil import atomic_write_text
 from appo.registry import STRATEGIES, qualified_name
+from appo.rewards.user_fn import reward_form
 
 RUN_RECORD = "run.json"  # appo.trainer.rundir.RUN_MARKER
 
@@ -50,6 +51,8 @@ class PythonObjects:
         `cfg.rollout.strategy`."""
         if reward_fn is not None and not callable(reward_fn):
             raise AppoError(f"reward_fn: {type(reward_fn).__name__} is not callable")
+        if reward_fn is not None:
+            reward_form(reward_fn, qualified_name(reward_fn))  # either form, else one line
         if reward_fn is not None and cfg.custom_reward_function.path:
             raise AppoError("reward_fn= and custom_reward_function.path="
                             f"{cfg.custom_reward_function.path}: give one reward function")
