@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from appo.commands import (
+from appo.cli_args import (
     add_config_args,
     config_from_args,
     positive_float,
