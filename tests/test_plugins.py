@@ -129,10 +129,11 @@ def test_a_missing_module_is_one_line(clean_registry):
                                 "or a path to a .py file)")
 
 
-def check_dump(dump: Path) -> None:
+def check_dump(dump: Path, step: int = 1) -> None:
     """The step's trajectories came from examples/fixed_split.py: every row tagged, and per
     prompt one whole answer plus n - 1 branches that restart it after its first 3 tokens."""
-    rows = [json.loads(line) for line in (dump / "step_00001.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)
+            for line in (dump / f"step_{step:05d}.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3
     assert {r["extra"]["strategy"] for r in rows} == {"fixed_split"}
     assert {r["extra"]["model"] for r in rows} == {"tiny-test"}  # for appo view
@@ -165,28 +166,36 @@ def test_a_plugin_strategy_trains_from_the_command_line(tmp_path, clean_registry
     rewards.write_text(REWARD_PLUGIN)
     r = run_cli("train", "--plugin", str(EXAMPLE), "--plugin", str(rewards),
                 "rollout.strategy=fixed_split", "custom_reward_function.name=quarter", *TINY,
+                "trainer.total_steps=2",  # issue 42: two steps from the command line
                 f"trainer.default_local_dir={run}", f"trainer.rollout_data_dir={dump}")
     assert r.returncode == 0, r.stderr[-2000:]
-    check_dump(dump)
+    check_dump(dump, 1)
+    check_dump(dump, 2)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1]
-    assert rows[0]["rollout/branches"] == 4  # 2 prompts x (n - 1)
-    assert (rows[0]["reward/mean"], rows[0]["reward/accuracy"]) == (0.25, 1.0)
-    lines = [json.loads(line) for line in (dump / "step_00001.jsonl").read_text().splitlines()]
-    assert {line["reward"] for line in lines} == {0.25}
-    assert (run / "global_step_1").is_dir()
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/branches"] == 4  # 2 prompts x (n - 1)
+        assert (row["reward/mean"], row["reward/accuracy"]) == (0.25, 1.0)
+    for step in (1, 2):
+        lines = [json.loads(line)
+                 for line in (dump / f"step_0000{step}.jsonl").read_text().splitlines()]
+        assert {line["reward"] for line in lines} == {0.25}
+    assert (run / "global_step_2").is_dir()
 
 
 def test_a_plugin_strategy_trains_from_python(tmp_path, clean_registry):
     appo.load_plugin(str(EXAMPLE))
     strategy = appo.get_strategy("fixed_split")
-    cfg = appo.load_config(overrides=[*TINY, f"trainer.default_local_dir={tmp_path / 'run'}",
+    cfg = appo.load_config(overrides=[*TINY, "trainer.total_steps=2",
+                                      f"trainer.default_local_dir={tmp_path / 'run'}",
                                       f"trainer.rollout_data_dir={tmp_path / 'dump'}"])
     trainer = appo.RLTrainer(cfg, progress=False, strategy=strategy)
     assert cfg.rollout.strategy == "fixed_split"  # the name it is registered under
     history = trainer.fit()
-    assert [h["step"] for h in history] == [1]
-    check_dump(tmp_path / "dump")
+    assert [h["step"] for h in history] == [1, 2]
+    assert [h["rollout/branches"] for h in history] == [4, 4]
+    check_dump(tmp_path / "dump", 1)
+    check_dump(tmp_path / "dump", 2)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["objects"]["strategy"].endswith(".fixed_split")
 
