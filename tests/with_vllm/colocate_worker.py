@@ -1,7 +1,8 @@
 """One rank of `test_vllm_colocate.py`: appo's process group, then appo's vLLM engine in this
 rank (external launcher), weights of this rank's own policy streamed in, log-probs checked.
 
-Run under `accelerate launch` with 2 processes; writes `rank{R}.json` into argv[1].
+Run under `accelerate launch` with 2 processes; writes `{layout}{R}.json` into argv[1]; argv[2] is
+the model dir (the session's tiny model, `tiny_llama.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if __name__ == "__main__":
     from appo.rollout.vllm_engine import VLLMEngine
     from appo.trainer.distributed import init_process_group
 
-    out = Path(sys.argv[1])
+    out, model_dir = Path(sys.argv[1]), sys.argv[2]
     init_process_group()
     rank = torch.distributed.get_rank()
     # This rank's own temp dir, watched for files a sync writes: the machine's /tmp also gets
@@ -30,10 +31,10 @@ if __name__ == "__main__":
     private_tmp = out / f"tmp{rank}"
     private_tmp.mkdir()
     tempfile.tempdir = str(private_tmp)
-    cfg = load_config(overrides=["model.path=smollm2-135m", "rollout.name=vllm",
+    cfg = load_config(overrides=[f"model.path={model_dir}", "rollout.name=vllm",
                                  "rollout.kv_cache_gib=0.5", "data.max_prompt_length=448",
                                  "data.max_response_length=64", f"rollout.seed={rank}"])
-    lm = load_model("smollm2-135m", device="cpu")
+    lm = load_model(model_dir, device="cpu")
     engine = VLLMEngine.from_config(cfg, lm.tokenizer)
 
     def no_file(*a, **k):

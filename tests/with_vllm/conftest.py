@@ -98,6 +98,14 @@ def smollm2_dir() -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The training tests' model (`tiny_llama.py`): built once per session, a second or two."""
+    import tiny_llama
+
+    return tiny_llama.build(tmp_path_factory.getbasetemp() / "tiny-llama", smollm2_dir())
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

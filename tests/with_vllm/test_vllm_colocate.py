@@ -20,13 +20,13 @@ REPO = HERE.parents[1]
 LOGP_TOL = 5e-4  # as tests/with_vllm/test_vllm_engine.py (float32, different kernels)
 
 
-def test_two_ranks_each_stream_their_policy_into_their_own_engine(tmp_path):
+def test_two_ranks_each_stream_their_policy_into_their_own_engine(tmp_path, tiny_llama_dir):
     """One launch, two checks on each rank's engine: `whole`, each rank its own policy;
     `fsdp`, one policy sharded over the two ranks, each engine gathering every parameter
     from the shards as it loads it."""
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           str(HERE / "colocate_worker.py"), str(tmp_path)]
+           str(HERE / "colocate_worker.py"), str(tmp_path), str(tiny_llama_dir)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     for layout in ("whole", "fsdp"):

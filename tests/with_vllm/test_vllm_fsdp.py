@@ -19,10 +19,10 @@ pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(out: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(out: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
            str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "-m", "appo.cli", "train",
-           *TRAIN_ARGS, "trainer.parallel=fsdp", "rollout.kv_cache_gib=0.5",
+           f"model.path={model}", *TRAIN_ARGS, "trainer.parallel=fsdp", "rollout.kv_cache_gib=0.5",
            f"trainer.default_local_dir={out}", f"trainer.rollout_data_dir={out / 'rollouts'}",
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -30,15 +30,15 @@ def launch(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=HANG_TIMEOUT_S)
 
 
-def test_fsdp_ranks_stream_from_the_shards_after_an_update_and_a_resume(tmp_path):
+def test_fsdp_ranks_stream_from_the_shards_after_an_update_and_a_resume(tmp_path, tiny_llama_dir):
     """Step 1, saved; then a resumed run's step 2. Its rollouts come from the step-1 weights:
     loaded into the shards by the resume (through the meta skeleton) and streamed into each
     rank's engine, the same sync that follows every update (`sync_rollout_weights`)."""
     out = tmp_path / "run"
-    first = launch(out, "trainer.total_steps=1")
+    first = launch(out, tiny_llama_dir, "trainer.total_steps=1")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-4000:]
     assert "Invalid process group" not in first.stderr  # vLLM's exit after appo's group
-    second = launch(out, "trainer.total_steps=2", "trainer.resume=true")
+    second = launch(out, tiny_llama_dir, "trainer.total_steps=2", "trainer.resume=true")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-4000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -46,4 +46,4 @@ def test_fsdp_ranks_stream_from_the_shards_after_an_update_and_a_resume(tmp_path
     dump = out / "rollouts" / "step_00002.jsonl"
     synced = rollout_errors(out / "global_step_1", dump)
     assert len(synced) > 20 and max(synced) < LOGP_TOL, max(synced)
-    assert max(rollout_errors("smollm2-135m", dump)) > 10 * LOGP_TOL
+    assert max(rollout_errors(tiny_llama_dir, dump)) > 10 * LOGP_TOL

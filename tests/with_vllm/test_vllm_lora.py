@@ -1,4 +1,5 @@
-"""`appo train rollout.name=vllm model.lora_rank=16` on SmolLM2: the vllm engine serves the
+"""`appo train rollout.name=vllm model.lora_rank=16` (the session's tiny
+model, `tiny_llama.py`): the vllm engine serves the
 merged weights (base names, synced like full weights after each update), so step 2's
 rollouts have the log-probs of the step-1 merged checkpoint under an HF forward, and not
 those of the base model.
@@ -15,11 +16,11 @@ from vllm_train_run import LOGP_TOL, rollout_errors, train
 pytestmark = pytest.mark.vllm
 
 
-def test_lora_train_syncs_merged_weights(tmp_path):
+def test_lora_train_syncs_merged_weights(tmp_path, tiny_llama_dir):
     out = tmp_path / "run"
     # lr 2e-3: Adam moves each entry of B by ~lr per step, enough for the adapted policy's
     # log-probs to leave the base model's by far more than the tolerance after one step.
-    run = train(out, "trainer.total_steps=2", "model.lora_rank=16", "model.lora_alpha=32",
+    run = train(out, tiny_llama_dir, "trainer.total_steps=2", "model.lora_rank=16", "model.lora_alpha=32",
                 "model.lora_save_merged=true", "actor.optim.lr=2e-3")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -29,5 +30,5 @@ def test_lora_train_syncs_merged_weights(tmp_path):
     dump = out / "rollouts" / "step_00002.jsonl"
     synced = rollout_errors(merged, dump)
     assert len(synced) > 50 and max(synced) < LOGP_TOL, max(synced)
-    assert max(rollout_errors("smollm2-135m", dump)) > 10 * LOGP_TOL
+    assert max(rollout_errors(tiny_llama_dir, dump)) > 10 * LOGP_TOL
     assert Path(out / "global_step_2" / "adapter_config.json").is_file()

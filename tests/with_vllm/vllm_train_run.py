@@ -1,5 +1,6 @@
-"""What the `appo train rollout.name=vllm` tests share (test_vllm_train, test_vllm_lora): the
-run's config on SmolLM2, one subprocess per run, and the check that a dump's recorded
+"""What the `appo train rollout.name=vllm` tests share (test_vllm_train, test_vllm_lora,
+test_vllm_fsdp): the run's config (on the session's tiny model, `tiny_llama.py`), one
+subprocess per run, and the check that a dump's recorded
 log-probs come from a given model.
 """
 
@@ -16,7 +17,7 @@ LOGP_TOL = 5e-4  # derived in test_vllm_engine.py's docstring
 HANG_TIMEOUT_S = 3600
 
 TRAIN_ARGS = (
-    "model.path=smollm2-135m", "rollout.name=vllm", "rollout.kv_cache_gib=1",
+    "rollout.name=vllm", "rollout.kv_cache_gib=1",
     "rollout.strategy=arpo", "rollout.n=4", "rollout.initial_rollouts=2",
     "data.template=math", "tools.enabled=[python]",
     "data.train_files=['synth:arith?split=train&levels=1&n=16']",
@@ -27,10 +28,10 @@ TRAIN_ARGS = (
 )
 
 
-def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """`appo train` with `TRAIN_ARGS`, checkpoints in `out` and rollout dumps in
+def train(out: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`appo train` of `model` with `TRAIN_ARGS`, checkpoints in `out` and rollout dumps in
     `out/rollouts`; `extra` overrides come last (later keys win)."""
-    args = [*TRAIN_ARGS, f"trainer.default_local_dir={out}",
+    args = [f"model.path={model}", *TRAIN_ARGS, f"trainer.default_local_dir={out}",
             f"trainer.rollout_data_dir={out / 'rollouts'}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([sys.executable, "-m", "appo.cli", "train", *args],
