@@ -1,6 +1,6 @@
 """Weights to a real `vllm serve` without a file: appo's worker extension and a gloo group.
 
-One server for the module (SmolLM2-135M, float32, CPU, 127.0.0.1), started with
+One server for the module (a random 2-layer Llama, float32, CPU, 127.0.0.1), started with
 `--worker-extension-cls appo.rollout.weight_group.WeightGroupExtension`, this tree's `appo`
 first on its PYTHONPATH (checked: the probe names the file it was loaded from) and its own
 temp dir. It checks that:
@@ -42,7 +42,7 @@ REQUEST_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = float(os.environ.get("APPO_VLLM_STARTUP_TIMEOUT", "1800"))
 SCORED_TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. Two plus two "
                "equals four, and the sky is blue.")
-CHANGED = "model.layers.10.mlp.down_proj.weight"
+CHANGED = "model.layers.1.mlp.down_proj.weight"
 
 
 def snapshot(*dirs: Path) -> dict[str, tuple[int, int]]:
@@ -57,12 +57,14 @@ def snapshot(*dirs: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def stream_server(tmp_path_factory):
+def stream_server(tmp_path_factory, tiny_llama_dir):
+    """A `vllm serve` of the random 2-layer Llama (`tiny_llama.py`): what is pushed and
+    compared does not depend on the model's size, the start and the training do."""
     from appo.errors import AppoError
     from appo.rollout.vllm_server import wait_for_server
-    from conftest import _stop, free_port, smollm2_dir  # tests/with_vllm/conftest.py
+    from conftest import _stop, free_port  # tests/with_vllm/conftest.py
 
-    model = smollm2_dir()
+    model = tiny_llama_dir
     base = tmp_path_factory.mktemp("vllm-stream")
     server_tmp = base / "server-tmp"
     server_tmp.mkdir()
@@ -204,7 +206,7 @@ def test_train_against_the_server_pushes_the_policy_through_the_group(stream_ser
     from appo.rollout.records import read_jsonl
 
     out = tmp_path / "run"
-    args = ["train", "model.path=smollm2-135m", "rollout.name=openai",
+    args = ["train", f"model.path={stream_server['model']}", "rollout.name=openai",
             f"rollout.base_urls=['{stream_server['url']}']", "rollout.weight_transfer=group",
             "rollout.strategy=grpo", "rollout.n=2", "data.template=math",
             "tools.enabled=[python]",
@@ -218,7 +220,7 @@ def test_train_against_the_server_pushes_the_policy_through_the_group(stream_ser
     assert not (out / "rollout_weights").exists()  # the file route's dir: never made
     trajs = read_jsonl(out / "rollouts" / "step_00002.jsonl")
     gaps = {}
-    for name, path in (("step1", out / "global_step_1"), ("base", "smollm2-135m")):
+    for name, path in (("step1", out / "global_step_1"), ("base", stream_server["model"])):
         model = load_model(str(path), device="cpu").model
         worst = 0.0
         for t in trajs:
