@@ -260,6 +260,7 @@ def test_a_pair_held_by_another_process_is_passed_over(tmp_path):
     assert run_comparison(spec, run=fake) == ([("grpo", 1)], []) and calls == [("grpo", 1)]
 
 
+@pytest.mark.slow
 def test_cli_jobs_runs_every_pair_once_in_parallel_processes(tmp_path):
     path = write_spec(tmp_path, seeds=(1,))
     spec = load_spec(path)

@@ -299,6 +299,7 @@ def test_memory_bomb(patient_tool, patient_clean, code):
     assert "MemoryError" in result.text
 
 
+@pytest.mark.slow
 def test_fork_bomb(tool, clean):
     code = ("import os\nwhile True:\n    try:\n        os.fork()\n"
             "    except OSError:\n        pass")
@@ -470,6 +471,7 @@ def test_dead_zygote_is_restarted():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rlimits_fallback_blocks_network_and_cleans_up(monkeypatch):
     monkeypatch.setenv("APPO_TEST_SECRET", "fallback-secret")
     # Wall time generous for a loaded machine; the busy loop below is stopped by CPU time,

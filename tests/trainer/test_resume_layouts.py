@@ -135,6 +135,7 @@ def _train_on(trainer, out: Path) -> None:
     assert (out / "global_step_3" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_two_fsdp_processes_resume_in_one(toy, fsdp_runs):
     """Whole states saved by two FSDP processes resume in one: the weights and optimizer
     states it loads are the saved ones exactly, and it trains on."""

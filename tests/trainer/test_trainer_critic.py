@@ -351,6 +351,7 @@ def test_two_process_fsdp_actor_and_critic_match_single_process(tmp_path):
     assert not torch.equal(p_a["value_head.weight"], dist["trained_params"]["value_head.weight"])
 
 
+@pytest.mark.slow
 def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
     """The trainer under FSDP with the critic: 2 steps + resume to 3 equals 3 straight (the
     checkpoint holds gathered whole states of both; resume loads them into the shards).

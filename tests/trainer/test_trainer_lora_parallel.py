@@ -119,6 +119,7 @@ def lora_resume_runs(tmp_path_factory) -> dict[str, dict]:
     return {p: {"a": a, "b": b, "b_rows_at_2": before[p]} for p, (a, b) in dirs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_lora_run_resume_equals_uninterrupted(lora_resume_runs, parallel):
     """`appo train` on 2 processes with a KL term (its reference: the adapter switched off
