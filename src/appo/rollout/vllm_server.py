@@ -208,7 +208,11 @@ def probe_extension(root: str, client: JsonClient, method: str = "appo_weight_gr
         if e.status in (404, 405):
             raise AppoError(f"the server has no /collective_rpc route (HTTP {e.status}): "
                             f"weight updates need vLLM's dev mode; {DEV_MODE_HINT}") from None
-        if f"has no attribute '{method}'" in str(e):  # vLLM's words for a missing method
+        # vLLM's words for a method no worker has: the worker's AttributeError, or (through
+        # `run_method`, vllm/v1/serial_utils.py) "Method 'x' is not implemented."; which one
+        # comes back depends on the executor's path, so both mean: no extension.
+        if (f"has no attribute '{method}'" in str(e)
+                or f"Method '{method}' is not implemented" in str(e)):
             return None
         raise AppoError(f"probing the server at {root} for appo's worker extension "
                         f"failed: {e}") from None
