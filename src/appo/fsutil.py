@@ -175,7 +175,7 @@ def write_error(exc: BaseException, path: str | Path, what: str = "write") -> Ap
     torch_writer = any(hint in lower for hint in _TORCH_WRITER)
     if not no_space and torch_writer:
         with contextlib.suppress(OSError):
-            no_space = shutil.disk_usage(_existing_parent(path)).free < 64 * 2**20
+            no_space = shutil.disk_usage(existing_parent(path)).free < 64 * 2**20
     if no_space:
         reason = "no space left on device"
     elif isinstance(exc, OSError) and exc.strerror:
@@ -187,7 +187,8 @@ def write_error(exc: BaseException, path: str | Path, what: str = "write") -> Ap
     return AppoError(f"could not {what} {path}: {reason}")
 
 
-def _existing_parent(path: Path) -> Path:
+def existing_parent(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path

@@ -36,6 +36,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from appo.errors import AppoError, ToolFatalError, warn_once
+from appo.fsutil import existing_parent
 from appo.jsonl import read_text
 
 SCHEMA = """
@@ -69,15 +70,9 @@ def canonical_params(params: Mapping | None) -> str:
 
 def _read_only_mount(path: Path) -> bool:
     try:
-        return bool(os.statvfs(_existing(path)).f_flag & os.ST_RDONLY)
+        return bool(os.statvfs(existing_parent(path)).f_flag & os.ST_RDONLY)
     except OSError:
         return False
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _not_writable(path: Path) -> bool:
@@ -87,7 +82,7 @@ def _not_writable(path: Path) -> bool:
         return True
     if path.exists():  # SQLite writes its journal files beside the database
         return not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK))
-    return not os.access(_existing(path), os.W_OK)
+    return not os.access(existing_parent(path), os.W_OK)
 
 
 def default_cache_path() -> Path:
