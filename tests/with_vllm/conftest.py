@@ -106,6 +106,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama.build(tmp_path_factory.getbasetemp() / "tiny-llama", smollm2_dir())
 
 
+def hf_logprobs(model, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1 from a full HF forward, in float64 (what a
+    server's prompt log-probs are compared with)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return lp.tolist()
+
+
+def max_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

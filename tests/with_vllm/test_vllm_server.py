@@ -50,6 +50,7 @@ from appo.tools.base import ToolResult
 from appo.tools.executor import ToolCall, ToolExecutor
 from appo.tools.pages import build_page_store
 from appo.tools.search_tool import SearchTool
+from conftest import hf_logprobs, max_gap  # tests/with_vllm/conftest.py
 
 pytestmark = pytest.mark.vllm
 
@@ -256,19 +257,6 @@ def _server_logprobs(server, ids: list[int]) -> list[float]:
     return [row[str(tok)]["logprob"] for tok, row in zip(ids[1:], rows[1:], strict=True)]
 
 
-def _hf_logprobs(model, ids: list[int]) -> list[float]:
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return lp.tolist()
-
-
-def _gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
 def test_weight_reload_serves_the_new_weights(vllm_server, tokenizer, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
@@ -289,9 +277,9 @@ def test_weight_reload_serves_the_new_weights(vllm_server, tokenizer, tmp_path):
     save_file(weights, new_dir / "model.safetensors", metadata={"format": "pt"})
 
     old_server = _server_logprobs(vllm_server, ids)
-    old_hf = _hf_logprobs(model, ids)
+    old_hf = hf_logprobs(model, ids)
     model.load_state_dict(weights, strict=False)  # strict=False: the tied lm_head key
-    new_hf = _hf_logprobs(model, ids)
+    new_hf = hf_logprobs(model, ids)
     try:
         result = reload_server_weights(vllm_server.url, new_dir)
         new_server = _server_logprobs(vllm_server, ids)
@@ -299,14 +287,14 @@ def test_weight_reload_serves_the_new_weights(vllm_server, tokenizer, tmp_path):
         reload_server_weights(vllm_server.url, model_dir)  # leave the server as it was
     restored = _server_logprobs(vllm_server, ids)
     moved = [abs(a - b) for a, b in zip(new_server, old_server, strict=True)]
-    print(f"\nreload {result.seconds:.2f} s; server vs hf: old {_gap(old_server, old_hf):.2e}, "
-          f"new {_gap(new_server, new_hf):.2e}; the change moved log-probs by "
+    print(f"\nreload {result.seconds:.2f} s; server vs hf: old {max_gap(old_server, old_hf):.2e}, "
+          f"new {max_gap(new_server, new_hf):.2e}; the change moved log-probs by "
           f"{sum(moved) / len(moved):.3f} mean, {max(moved):.3f} max")
     assert result.weights_path == str(new_dir.resolve()) and result.worker_results == [None]
-    assert _gap(old_server, old_hf) <= TOL
-    assert _gap(new_server, new_hf) <= TOL  # the server now computes the new weights
+    assert max_gap(old_server, old_hf) <= TOL
+    assert max_gap(new_server, new_hf) <= TOL  # the server now computes the new weights
     assert max(moved) > 100 * TOL and sum(moved) / len(moved) > 10 * TOL
-    assert _gap(restored, old_hf) <= TOL
+    assert max_gap(restored, old_hf) <= TOL
     assert all(math.isfinite(x) for x in new_server)
 
 
@@ -340,7 +328,7 @@ def test_train_against_the_server_reloads_the_policy(vllm_server, tmp_path):
         worst = 0.0
         for t in trajs:
             ids = t.prompt_ids + t.response_ids
-            hf = _hf_logprobs(model, ids)
+            hf = hf_logprobs(model, ids)
             p = len(t.prompt_ids)
             for k, sampled in enumerate(t.sampled_mask()):
                 # the engine's own EOS / put-back stop tokens carry 0: skip those

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from appo.http import endpoint
+from conftest import hf_logprobs, max_gap  # tests/with_vllm/conftest.py
 
 pytestmark = pytest.mark.vllm
 
@@ -107,19 +108,6 @@ def _server_logprobs(server, ids: list[int]) -> list[float]:
     return [row[str(tok)]["logprob"] for tok, row in zip(ids[1:], rows[1:], strict=True)]
 
 
-def _hf_logprobs(model, ids: list[int]) -> list[float]:
-    import torch
-
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return lp.tolist()
-
-
-def _gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
 def test_group_push_serves_the_new_weights_with_no_file(stream_server, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,7 +131,7 @@ def test_group_push_serves_the_new_weights_with_no_file(stream_server, tmp_path,
     assert info["device"] == "cpu" and info["dtype"] == "float32"
     assert Path(info["source"]).resolve() == SRC / "appo" / "rollout" / "weight_group.py"
 
-    old_hf = _hf_logprobs(model, ids)
+    old_hf = hf_logprobs(model, ids)
     old_server = _server_logprobs(stream_server, ids)
     before = snapshot(trainer_tmp, tmp_path, stream_server["tmp"], model_dir)
     sync = ServerWeightSync([stream_server["url"] + "/v1"], str(weights_dir), "auto")
@@ -153,7 +141,7 @@ def test_group_push_serves_the_new_weights_with_no_file(stream_server, tmp_path,
         sync.sync(model)
         assert sync.routes == {stream_server["url"]: "group"}
         new_server = _server_logprobs(stream_server, ids)
-        new_hf = _hf_logprobs(model, ids)
+        new_hf = hf_logprobs(model, ids)
 
         # back through the trainer's own call (the engine's sync_weights)
         with torch.no_grad():
@@ -171,14 +159,14 @@ def test_group_push_serves_the_new_weights_with_no_file(stream_server, tmp_path,
     moved = [abs(a - b) for a, b in zip(new_server, old_server, strict=True)]
     print(f"\ngroup push {sync.seconds[stream_server['url']]:.2f} s, "
           f"{sync.bytes_sent[stream_server['url']] / 1e6:.0f} MB sent; server vs hf: old "
-          f"{_gap(old_server, old_hf):.2e}, new {_gap(new_server, new_hf):.2e}; moved "
+          f"{max_gap(old_server, old_hf):.2e}, new {max_gap(new_server, new_hf):.2e}; moved "
           f"{sum(moved) / len(moved):.3f} mean, {max(moved):.3f} max")
     assert after == before, set(after) ^ set(before)  # no file written on either side
     assert not weights_dir.exists()
-    assert _gap(old_server, old_hf) <= TOL
-    assert _gap(new_server, new_hf) <= TOL  # the server computes the pushed weights
+    assert max_gap(old_server, old_hf) <= TOL
+    assert max_gap(new_server, new_hf) <= TOL  # the server computes the pushed weights
     assert max(moved) > 100 * TOL and sum(moved) / len(moved) > 10 * TOL
-    assert _gap(restored, old_hf) <= TOL
+    assert max_gap(restored, old_hf) <= TOL
     # the whole model went once: every parameter, the tied LM head not twice
     assert sync.bytes_sent[stream_server["url"]] == sum(
         p.numel() * 4 for p in model.parameters())
@@ -224,7 +212,7 @@ def test_train_against_the_server_pushes_the_policy_through_the_group(stream_ser
         model = load_model(str(path), device="cpu").model
         worst = 0.0
         for t in trajs:
-            hf = _hf_logprobs(model, t.prompt_ids + t.response_ids)
+            hf = hf_logprobs(model, t.prompt_ids + t.response_ids)
             p = len(t.prompt_ids)
             for k, sampled in enumerate(t.sampled_mask()):
                 if sampled and t.logp_rollout[k] != 0.0:  # 0: the engine's own stop tokens
