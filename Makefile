@@ -28,8 +28,11 @@ install: $(STAMP)
 # (pytest-xdist; one per core, at most 4: each worker imports torch and loads its own
 # models). --dist loadfile keeps a file's tests on one worker, so a module-scoped fixture
 # (a two-process launch, a loaded engine) is paid once. TEST_WORKERS=0 runs in one process.
+# The files reach the workers longest first (tests/conftest.py, from tests/durations.json);
+# --no-loadscope-reorder keeps that order (xdist's own orders by number of tests).
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
+PYTEST := $(BIN)/python -m pytest -q $(call XDIST,$(TEST_WORKERS)) --durations=25
 
 test: $(STAMP)
 	$(PYTEST) tests
@@ -65,8 +68,13 @@ $(VLLM_STAMP): pyproject.toml
 vllm-env: $(VLLM_STAMP)
 
 # The tests that run a real vLLM (marker vllm), in the vLLM venv.
+# Two workers at most: most of a vLLM test is one busy thread (imports, engine start, the
+# Python side of a step), so two files at a time use both cores; each worker's engines get
+# its share of the threads (tests/conftest.py). More workers would only add engines' memory.
+VLLM_TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(2, len(os.sched_getaffinity(0))))")
+
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -m vllm --durations=25 tests/with_vllm
+	$(VLLM_BIN)/python -m pytest -q -m vllm $(call XDIST,$(VLLM_TEST_WORKERS)) --durations=25 tests/with_vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

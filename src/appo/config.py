@@ -15,7 +15,9 @@ a bad value names the key and the value, and names that select a registered func
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -249,13 +251,22 @@ def _load_yaml(path: Path) -> Any:
         raise AppoError(f"{path}: cannot parse config file: {first}") from None
 
 
+@functools.cache
+def _defaults() -> DictConfig:
+    """The schema's defaults as a structured config, built once per process: building it
+    (`OmegaConf.structured`) was most of a `load_config`, which the CLI, the compare runner
+    and the tests call many times. The schema's defaults are static (no registry feeds
+    them), so one copy serves every load; callers only ever get copies of it."""
+    return OmegaConf.structured(AppoConfig)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> AppoConfig:
     """Defaults <- YAML file (optional) <- dotted overrides; validated; returned as AppoConfig.
 
     The returned object is an OmegaConf structured config, typed as `AppoConfig`
     (attribute access, assignment type-checked).
     """
-    cfg: DictConfig = OmegaConf.structured(AppoConfig)
+    cfg = _defaults()  # never modified here: each merge below returns a new config
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -268,6 +279,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if overrides:
         tried = [item.split("=", 1)[0] for item in overrides]
         cfg = _merge(cfg, translate_verl_keys(_parse_overrides(overrides)), "", tried)
+    if cfg is _defaults():
+        cfg = copy.deepcopy(cfg)
     _resolve(cfg)
     _validate(cfg)
     OmegaConf.set_readonly(cfg, False)

@@ -52,23 +52,43 @@ def test_cli_generate_on_embedded_model():
     assert r.stdout.strip()
 
 
+# What each process of test_two_processes_convert_once runs: the real load_model, lock and
+# atomic save, around a stand-in for the GGUF dequantisation (SmolLM2's takes 20-40 s per
+# process and proves nothing more here): a random 2-layer Llama with SmolLM2's tokenizer,
+# after a pause that holds the lock long enough for the other process to reach it.
+CONVERT_ONCE = """
+import sys, time
+from appo.models import load_model, loader
+
+def stand_in(gguf, dtype):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    time.sleep(4)
+    tok = AutoTokenizer.from_pretrained(sys.argv[1])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    return LlamaForCausalLM(cfg), tok
+
+loader._load_gguf = stand_in
+lm = load_model("smollm2-135m")
+print("CONVERTED" if lm.extra.get("converted") else "REUSED")
+"""
+
+
 def test_two_processes_convert_once(tmp_path):
-    """A fresh cache, two concurrent loads: the file lock makes exactly one convert."""
-    code = (
-        "from appo.models import load_model\n"
-        "from appo.models.loader import converted_dir\n"
-        "lm = load_model('smollm2-135m')\n"
-        "print('CONVERTED' if lm.extra.get('converted') else 'REUSED')\n"
-    )
-    env = dict(os.environ, APPO_CACHE=str(tmp_path))
+    """A fresh cache, two concurrent loads: the file lock makes exactly one convert.
+    (Without the lock, or without the re-check under it, both print CONVERTED.)"""
+    load_model("smollm2-135m")  # the shared cache's conversion: its tokenizer files
+    tokenizer_dir = converted_dir("smollm2-135m")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, APPO_CACHE=str(cache))
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen([sys.executable, "-c", CONVERT_ONCE, str(tokenizer_dir)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
     verdicts = sorted(o[0].strip().splitlines()[-1] for o in outs)
     assert verdicts == ["CONVERTED", "REUSED"]
-    assert (tmp_path / "models" / "smollm2-135m" / ".complete").is_file()
-    assert not list((tmp_path / "models").glob("*.tmp*"))
+    assert (cache / "models" / "smollm2-135m" / ".complete").is_file()
+    assert not list((cache / "models").glob("*.tmp*"))

@@ -47,6 +47,11 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no vLLM here
 
 # Before any vLLM starts (at collection): inherited by every subprocess the tests start.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# A `vllm serve` pins its compute threads to cores it picks itself (core 0 on 2 cores, the
+# other reserved): two servers of two pytest-xdist workers would share one core while the
+# other idled. Unpinned, each runs the worker's share of threads (OMP_NUM_THREADS, set by
+# tests/conftest.py) where the OS puts it.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 # A bound for a server that hangs, not for a slow machine: start-up without the inductor
 # compile takes well under a minute on 2 quiet cores, a few minutes at load average 15+.

@@ -33,7 +33,8 @@ def train(out: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
     `out/rollouts`; `extra` overrides come last (later keys win)."""
     args = [f"model.path={model}", *TRAIN_ARGS, f"trainer.default_local_dir={out}",
             f"trainer.rollout_data_dir={out / 'rollouts'}", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    # the worker's thread budget under pytest-xdist (tests/conftest.py), else 2
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     return subprocess.run([sys.executable, "-m", "appo.cli", "train", *args],
                           capture_output=True, text=True, env=env, timeout=HANG_TIMEOUT_S)
 
