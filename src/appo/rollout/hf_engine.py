@@ -213,6 +213,11 @@ class HFEngine(TableRows):
         """`shared_kv` (`[layers, 2, kv_heads, P, head_dim]`, decode steps of the lean
         forward): the keys/values of the first P tokens every row shares, read once."""
         steps = input_ids.shape[1]
+        fused = None if self._lean is None else self._lean.fused(input_ids)
+        if fused is not None:  # no mask: the kernels read each row's columns from start
+            logits = fused(input_ids, positions, cache, start, shared_kv)
+            cache.length += steps
+            return logits
         if self._lean is not None:
             if shared_kv is None:  # the whole-context mask, or only the rows' own columns
                 mask, prefix = self._mask(start, cache.length, steps), None

@@ -63,6 +63,13 @@ def _numba_linear(wide: bool):
     return linear
 
 
+def _numba_numpy_linear(wide: bool):
+    def linear(x, weight: Tensor, bias: Tensor | None = None):
+        return kernels.linear_numpy(x, weight, bias, wide=wide)
+
+    return linear
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way to run a decode step's matmuls: `linear` for the projections
@@ -72,6 +79,9 @@ class Implementation:
     linear: Callable[..., Tensor]
     head: Callable[[Tensor, Tensor], Tensor]
     kernel: bool = False  # needs numba (appo.rollout.cpu.kernels)
+    # `linear` on a `[M, K]` numpy array returning numpy (no tensors made), where the
+    # implementation has one; the fused decode step (`appo.rollout.cpu.fused`) uses it.
+    numpy_linear: Callable | None = None
 
 
 _NUMBA = _numba_linear(False)
@@ -80,8 +90,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "torch": Implementation("torch", F.linear, head_in_blocks),
     "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
                                          head_in_blocks),
-    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True),
-    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True),
+    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True,
+                            numpy_linear=_numba_numpy_linear(False)),
+    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True,
+                                 numpy_linear=_numba_numpy_linear(True)),
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
 
