@@ -391,11 +391,13 @@ class HFEngine(TableRows):
         """Sample, drop stopped rows, step the batch; until every row has stopped."""
         while True:
             act = batch.sampling()
-            idx = batch.slots_of(act)
-            tok, lp, ent, ent_top = sample(
-                batch.logits.index_select(0, idx), params, self.generator,
-                None if batch.seen is None else batch.seen.index_select(0, idx),
-            )
+            if [batch.slot[i] for i in act] == list(range(batch.size)):
+                logits, seen = batch.logits, batch.seen  # every slot samples: no copy
+            else:
+                idx = batch.slots_of(act)
+                logits = batch.logits.index_select(0, idx)
+                seen = None if batch.seen is None else batch.seen.index_select(0, idx)
+            tok, lp, ent, ent_top = sample(logits, params, self.generator, seen)
             for i, t, logp, h, h_top in zip(act, tok.tolist(), lp.tolist(), ent.tolist(),
                                             ent_top.tolist(), strict=True):
                 batch.add_token(i, t)
