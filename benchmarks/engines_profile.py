@@ -162,9 +162,9 @@ def main() -> None:
         if kernels.available():  # the fused decode step's kernels (appo.rollout.cpu.fused)
             from appo.rollout.cpu import attention
 
-            ns = attention.built()
             for name in ("rope_write", "attend", "rms_norm", "add_rms_norm", "silu_mul"):
-                setattr(ns, name, recorded(getattr(ns, name), f"appo::numba_{name}"))
+                setattr(attention, name, recorded(getattr(attention, name),
+                                                  f"appo::numba_{name}"))
     prompts = prompt_pool(args, 64)[: args.rows]
     _decode_warm = profiled_call(eng, prompts, 2)  # noqa: F841 - first calls compile/allocate
     one, _, r1 = profiled_call(eng, prompts, 1)

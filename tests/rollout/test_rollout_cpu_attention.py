@@ -29,7 +29,7 @@ NEG = torch.finfo(torch.float64).min
 def k():
     from appo.rollout.cpu import attention
 
-    return attention.built()
+    return attention
 
 
 def reference(heads: int, kv_heads: int, head_dim: int) -> LeanDecoder:

@@ -19,163 +19,149 @@ is one kernel call on numpy views of the same memory:
 
 Same math as the torch path up to float32 rounding (sums reassociated, `fastmath` without
 the no-NaN/no-Inf assumptions); `tests/rollout/test_rollout_cpu_attention.py` checks them
-against `LeanDecoder`'s torch code. Without numba (`kernels.available()` False) nothing here
-is built and decode steps take the torch path.
+against `LeanDecoder`'s torch code. It imports numba: only `fused` imports it, and only when
+the kernels are available (`kernels.available()`); otherwise decode steps take the torch
+path.
 """
 
 from __future__ import annotations
 
-import functools
-
+import numba
 import numpy as np
-
-from appo.rollout.cpu import kernels
 
 BLOCK = 32  # columns per online-softmax block: a block of keys/values stays in L1
 # Reassociation and contraction only: `attend` starts each running max at -inf.
-FAST = frozenset({"reassoc", "contract", "arcp", "nsz", "afn"})
+FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
+# Module-level kernels (numba resolves the helpers they call as globals, so the on-disk
+# cache finds them again in a new process; closures' captured helpers defeat it).
+jit = numba.njit(fastmath=FAST, boundscheck=False, nogil=True, cache=True)
 
 
-@functools.cache
-def built():
-    """The kernels as a namespace (compiled lazily by numba on first call, cached on disk)."""
-    numba = kernels.numba
-    jit = functools.partial(numba.njit, fastmath=set(FAST), boundscheck=False, nogil=True,
-                            cache=True)
-
-    @jit
-    def _norm_rope(src, weight, eps, cos, sin, dst):  # pragma: no cover - numba
-        # dst = rotary(rms_norm(src) * weight), or rotary(src) when weight is empty.
-        d = src.shape[0]
-        half = d // 2
-        tmp = np.empty(d, src.dtype)
-        if weight.shape[0] > 0:
-            ss = src.dtype.type(0.0)
-            for i in range(d):
-                ss += src[i] * src[i]
-            r = 1.0 / np.sqrt(ss / d + eps)
-            for i in range(d):
-                tmp[i] = src[i] * r * weight[i]
-        else:
-            for i in range(d):
-                tmp[i] = src[i]
-        for i in range(half):
-            dst[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i]
-        for i in range(half, d):
-            dst[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i]
-
-    @jit
-    def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # pragma: no cover
-        # qkv [B, (H + 2 KV) * d] (one decode step's packed projection); cos/sin [B, d];
-        # q_norm/k_norm [d] or empty; rotated queries -> q_out [B, H, d]; rotated keys and
-        # the values -> buf[layer, 0/1, b, kv_head, col].
-        rows, heads, d = q_out.shape
-        kv_heads = buf.shape[3]
-        for b in range(rows):
-            for h in range(heads):
-                _norm_rope(qkv[b, h * d : (h + 1) * d], q_norm, eps, cos[b], sin[b],
-                           q_out[b, h])
-            for g in range(kv_heads):
-                lo = (heads + g) * d
-                _norm_rope(qkv[b, lo : lo + d], k_norm, eps, cos[b], sin[b],
-                           buf[layer, 0, b, g, col])
-                lo = (heads + kv_heads + g) * d
-                for i in range(d):
-                    buf[layer, 1, b, g, col, i] = qkv[b, lo + i]
-
-    @jit
-    def _block(q, keys, values, c0, n, scale, scores, m, s, acc):  # pragma: no cover
-        # Online softmax over columns c0:c0+n of one (row, head): running max `m[0]`, sum
-        # `s[0]` and unnormalised output `acc`, rescaled when the max grows.
-        d = q.shape[0]
-        top = m[0]
-        for j in range(n):
-            dot = q.dtype.type(0.0)
-            for i in range(d):
-                dot += q[i] * keys[c0 + j, i]
-            scores[j] = dot * scale
-            if scores[j] > top:
-                top = scores[j]
-        alpha = np.exp(m[0] - top)
-        total = s[0] * alpha
+@jit
+def _norm_rope(src, weight, eps, cos, sin, dst):  # pragma: no cover - numba
+    # dst = rotary(rms_norm(src) * weight), or rotary(src) when weight is empty.
+    d = src.shape[0]
+    half = d // 2
+    tmp = np.empty(d, src.dtype)
+    if weight.shape[0] > 0:
+        ss = src.dtype.type(0.0)
         for i in range(d):
-            acc[i] *= alpha
-        for j in range(n):
-            p = np.exp(scores[j] - top)
-            total += p
-            for i in range(d):
-                acc[i] += p * values[c0 + j, i]
-        m[0] = top
-        s[0] = total
+            ss += src[i] * src[i]
+        r = 1.0 / np.sqrt(ss / d + eps)
+        for i in range(d):
+            tmp[i] = src[i] * r * weight[i]
+    else:
+        for i in range(d):
+            tmp[i] = src[i]
+    for i in range(half):
+        dst[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i]
+    for i in range(half, d):
+        dst[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i]
 
-    @jit
-    def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
-        # q [B, H, d] -> out [B, H, d]. Row b attends to the shared prefix pk/pv
-        # [KV, P, d] (P may be 0) and to its own columns first[b]..last of the buffer.
-        rows, heads, d = q.shape
-        kv_heads = buf.shape[3]
-        group = heads // kv_heads
-        prefix = pk.shape[1]
-        m = np.full((rows, heads, 1), -np.inf, q.dtype)
-        s = np.zeros((rows, heads, 1), q.dtype)
-        scores = np.empty(BLOCK, q.dtype)
-        out[:] = 0.0
-        # The shared prefix: each block of keys/values read once for every row's queries.
+@jit
+def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # pragma: no cover
+    # qkv [B, (H + 2 KV) * d] (one decode step's packed projection); cos/sin [B, d];
+    # q_norm/k_norm [d] or empty; rotated queries -> q_out [B, H, d]; rotated keys and
+    # the values -> buf[layer, 0/1, b, kv_head, col].
+    rows, heads, d = q_out.shape
+    kv_heads = buf.shape[3]
+    for b in range(rows):
+        for h in range(heads):
+            _norm_rope(qkv[b, h * d : (h + 1) * d], q_norm, eps, cos[b], sin[b],
+                       q_out[b, h])
         for g in range(kv_heads):
-            for c0 in range(0, prefix, BLOCK):
-                n = min(BLOCK, prefix - c0)
-                for b in range(rows):
-                    for h in range(g * group, (g + 1) * group):
-                        _block(q[b, h], pk[g], pv[g], c0, n, scale, scores, m[b, h], s[b, h],
-                               out[b, h])
-        # Each row's own columns: each block read once for the query heads of its KV head.
-        for b in range(rows):
-            for g in range(kv_heads):
-                keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
-                for c0 in range(first[b], last + 1, BLOCK):
-                    n = min(BLOCK, last + 1 - c0)
-                    for h in range(g * group, (g + 1) * group):
-                        _block(q[b, h], keys, values, c0, n, scale, scores, m[b, h],
-                               s[b, h], out[b, h])
-        for b in range(rows):
-            for h in range(heads):
-                inv = 1.0 / s[b, h, 0]
-                for i in range(d):
-                    out[b, h, i] *= inv
+            lo = (heads + g) * d
+            _norm_rope(qkv[b, lo : lo + d], k_norm, eps, cos[b], sin[b],
+                       buf[layer, 0, b, g, col])
+            lo = (heads + kv_heads + g) * d
+            for i in range(d):
+                buf[layer, 1, b, g, col, i] = qkv[b, lo + i]
 
-    @jit
-    def rms_norm(x, weight, eps, out):  # pragma: no cover - numba
-        rows, width = x.shape
-        for b in range(rows):
-            ss = x.dtype.type(0.0)
-            for i in range(width):
-                ss += x[b, i] * x[b, i]
-            r = 1.0 / np.sqrt(ss / width + eps)
-            for i in range(width):
-                out[b, i] = x[b, i] * r * weight[i]
+@jit
+def _block(q, keys, values, c0, n, scale, scores, m, s, acc):  # pragma: no cover
+    # Online softmax over columns c0:c0+n of one (row, head): running max `m[0]`, sum
+    # `s[0]` and unnormalised output `acc`, rescaled when the max grows.
+    d = q.shape[0]
+    top = m[0]
+    for j in range(n):
+        dot = q.dtype.type(0.0)
+        for i in range(d):
+            dot += q[i] * keys[c0 + j, i]
+        scores[j] = dot * scale
+        if scores[j] > top:
+            top = scores[j]
+    alpha = np.exp(m[0] - top)
+    total = s[0] * alpha
+    for i in range(d):
+        acc[i] *= alpha
+    for j in range(n):
+        p = np.exp(scores[j] - top)
+        total += p
+        for i in range(d):
+            acc[i] += p * values[c0 + j, i]
+    m[0] = top
+    s[0] = total
 
-    @jit
-    def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - numba
-        # h += delta (the residual, in place), out = rms_norm(h) * weight.
-        rows, width = h.shape
-        for b in range(rows):
-            for i in range(width):
-                h[b, i] += delta[b, i]
-        rms_norm(h, weight, eps, out)
+@jit
+def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
+    # q [B, H, d] -> out [B, H, d]. Row b attends to the shared prefix pk/pv
+    # [KV, P, d] (P may be 0) and to its own columns first[b]..last of the buffer.
+    rows, heads, d = q.shape
+    kv_heads = buf.shape[3]
+    group = heads // kv_heads
+    prefix = pk.shape[1]
+    m = np.full((rows, heads, 1), -np.inf, q.dtype)
+    s = np.zeros((rows, heads, 1), q.dtype)
+    scores = np.empty(BLOCK, q.dtype)
+    out[:] = 0.0
+    # The shared prefix: each block of keys/values read once for every row's queries.
+    for g in range(kv_heads):
+        for c0 in range(0, prefix, BLOCK):
+            n = min(BLOCK, prefix - c0)
+            for b in range(rows):
+                for h in range(g * group, (g + 1) * group):
+                    _block(q[b, h], pk[g], pv[g], c0, n, scale, scores, m[b, h], s[b, h],
+                           out[b, h])
+    # Each row's own columns: each block read once for the query heads of its KV head.
+    for b in range(rows):
+        for g in range(kv_heads):
+            keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
+            for c0 in range(first[b], last + 1, BLOCK):
+                n = min(BLOCK, last + 1 - c0)
+                for h in range(g * group, (g + 1) * group):
+                    _block(q[b, h], keys, values, c0, n, scale, scores, m[b, h],
+                           s[b, h], out[b, h])
+    for b in range(rows):
+        for h in range(heads):
+            inv = 1.0 / s[b, h, 0]
+            for i in range(d):
+                out[b, h, i] *= inv
 
-    @jit
-    def silu_mul(gate_up, out):  # pragma: no cover - numba
-        # out = silu(gate) * up, gate_up = [gate | up] along the last axis.
-        rows, width = out.shape
-        for b in range(rows):
-            for i in range(width):
-                g = gate_up[b, i]
-                out[b, i] = g / (1.0 + np.exp(-g)) * gate_up[b, width + i]
+@jit
+def rms_norm(x, weight, eps, out):  # pragma: no cover - numba
+    rows, width = x.shape
+    for b in range(rows):
+        ss = x.dtype.type(0.0)
+        for i in range(width):
+            ss += x[b, i] * x[b, i]
+        r = 1.0 / np.sqrt(ss / width + eps)
+        for i in range(width):
+            out[b, i] = x[b, i] * r * weight[i]
 
-    class Kernels:
-        pass
+@jit
+def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - numba
+    # h += delta (the residual, in place), out = rms_norm(h) * weight.
+    rows, width = h.shape
+    for b in range(rows):
+        for i in range(width):
+            h[b, i] += delta[b, i]
+    rms_norm(h, weight, eps, out)
 
-    ns = Kernels()
-    ns.rope_write, ns.attend, ns.rms_norm = rope_write, attend, rms_norm
-    ns.add_rms_norm, ns.silu_mul = add_rms_norm, silu_mul
-    return ns
+@jit
+def silu_mul(gate_up, out):  # pragma: no cover - numba
+    # out = silu(gate) * up, gate_up = [gate | up] along the last axis.
+    rows, width = out.shape
+    for b in range(rows):
+        for i in range(width):
+            g = gate_up[b, i]
+            out[b, i] = g / (1.0 + np.exp(-g)) * gate_up[b, width + i]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import attention, kernels
+from appo.rollout.cpu import kernels
 
 _EMPTY = np.empty(0, np.float32)
 
@@ -32,8 +32,10 @@ class FusedStep:
     """Runs `LeanDecoder` decode steps through the kernels (see module docstring)."""
 
     def __init__(self, lean):
+        from appo.rollout.cpu import attention  # imports numba: only built when available
+
         self.lean = lean
-        self.k = attention.built()
+        self.k = attention
         self._buf_key: tuple | None = None
         self._buf_np: np.ndarray | None = None
         self._norms: tuple | None = None
