@@ -122,6 +122,48 @@ def test_attend_is_the_softmax_of_what_it_reads_and_skips_everything_else(k):
     torch.testing.assert_close(torch.from_numpy(out[0, 0]), probs @ values, rtol=0, atol=1e-9)
 
 
+def test_the_float32_exp_is_within_a_few_ulp_of_float64(k):
+    # float32 attention exponentiates with a vectorisable polynomial (float64 uses numba's
+    # exp, which the tests above check): its error against float64's exp, relative.
+    x = np.concatenate([-np.linspace(0, 87, 100_003), -np.geomspace(1e-8, 1e-1, 1000),
+                        [0.0, -0.5, -1e-30]]).astype(np.float32)
+    got = x.copy()
+    k._exp_nonpositive(got, len(got), np.empty(len(got), np.int32))
+    want = np.exp(x.astype(np.float64))
+    assert float(np.max(np.abs(got / want - 1))) < 4e-7  # ~3 ulp of float32
+    tiny = np.array([-88.0, -100.0, -1e4], np.float32)
+    k._exp_nonpositive(tiny, 3, np.empty(3, np.int32))
+    assert np.all(tiny < 2e-38) and np.all(tiny >= 0)  # beyond float32's normal range: ~0
+
+
+@pytest.mark.parametrize("rows,prefix", [(3, 0), (8, 70)])
+def test_float32_attend_is_float64_attention_to_float32_rounding(k, rows, prefix):
+    # The engine's dtype: the same kernel in float32 (polynomial exp, float32 sums) against
+    # the float64 torch reference on the same (float32-representable) inputs.
+    heads, kv_heads, hd, length = 9, 3, 64, prefix + 45
+    gen = torch.Generator().manual_seed(rows + prefix)
+    start = torch.randint(0, 20, (rows,), generator=gen)
+    buf, clean = batch_buffer(gen, 1, rows, kv_heads, length + 2, hd, start + prefix, length)
+    shared = torch.randn(1, 2, kv_heads, prefix, hd, generator=gen, dtype=torch.float64)
+    q = torch.randn(rows, heads, 1, hd, generator=gen, dtype=torch.float64) * 3
+    buf, clean, shared, q = (t.float().double() for t in (buf, clean, shared, q))
+    lean = reference(heads, kv_heads, hd)
+    own = start + prefix
+    keys, values = clean[0, 0, :, :, : length + 1], clean[0, 1, :, :, : length + 1]
+    if prefix:
+        lo = int(own.min())
+        ref = lean._cascade_attention(q, keys, values,
+                                      SharedPrefix(shared, lo, additive_mask(own, length)[..., lo:]),
+                                      0)
+    else:
+        ref = lean._decode_attention(q, keys, values, additive_mask(own, length))
+    out = np.empty((rows, heads, hd), np.float32)
+    k.attend(q[:, :, 0].float().numpy().copy(), buf.float().numpy(), 0, own.numpy(), length,
+             shared[0, 0].float().numpy(), shared[0, 1].float().numpy(), hd**-0.5, out)
+    torch.testing.assert_close(torch.from_numpy(out).double(), ref[:, :, 0], rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
 @pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3-qk-norm"])
 def test_rope_write_equals_rotary_and_cache_update(k, heads, kv_heads, hd, norms):

@@ -78,7 +78,35 @@ def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # p
                 buf[layer, 1, b, g, col, i] = qkv[b, lo + i]
 
 @jit
-def _block(q, keys, values, c0, n, scale, scores, m, s, acc):  # pragma: no cover
+def _exp_nonpositive(x, n, bits):  # pragma: no cover - numba
+    # x[:n] = exp(x[:n]) for x <= 0, in a loop LLVM vectorises (numba's np.exp is a scalar
+    # libm call per element, most of the kernel's time): Cephes' expf, range reduction
+    # x = k ln2 + r, a degree-6 polynomial in r, 2^k built in the exponent bits. ~1 ulp
+    # (torch's softmax uses Sleef's, also ~1 ulp). x below -87 counts as -87 (e^-87 ~
+    # 1.6e-38, nothing next to the block's largest term, e^0 = 1).
+    if x.itemsize == 8:  # float64 (tests): numba's exact exp
+        for j in range(n):
+            x[j] = np.exp(x[j])
+        return
+    scale2 = bits.view(np.float32)
+    for j in range(n):
+        v = max(x[j], np.float32(-87.0))
+        k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
+        r = v - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        x[j] = p * r * r + r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    for j in range(n):
+        x[j] *= scale2[j]
+
+
+@jit
+def _block(q, keys, values, c0, n, scale, scores, bits, m, s, acc):  # pragma: no cover
     # Online softmax over columns c0:c0+n of one (row, head): running max `m[0]`, sum
     # `s[0]` and unnormalised output `acc`, rescaled when the max grows.
     d = q.shape[0]
@@ -88,19 +116,59 @@ def _block(q, keys, values, c0, n, scale, scores, m, s, acc):  # pragma: no cove
         for i in range(d):
             dot += q[i] * keys[c0 + j, i]
         scores[j] = dot * scale
-        if scores[j] > top:
-            top = scores[j]
+        top = max(top, scores[j])
     alpha = np.exp(m[0] - top)
+    for j in range(n):
+        scores[j] -= top
+    _exp_nonpositive(scores, n, bits)
     total = s[0] * alpha
     for i in range(d):
         acc[i] *= alpha
     for j in range(n):
-        p = np.exp(scores[j] - top)
+        p = scores[j]
         total += p
         for i in range(d):
             acc[i] += p * values[c0 + j, i]
     m[0] = top
     s[0] = total
+
+@jit
+def _shared_block(qt, keys, values, c0, n, scale, scores, bits, m, s, acc, top):  # pragma: no cover
+    # `_block` for the many queries that read the shared prefix (every row's query heads
+    # of one KV head, `qt` [d, nq] transposed): the scores are computed with the queries
+    # as the vector lanes (each key element broadcast once), so the block's keys and
+    # values are read once for all of them.
+    d, nq = qt.shape
+    sc = scores[: n * nq].reshape((n, nq))
+    for j in range(n):
+        for qi in range(nq):
+            sc[j, qi] = 0.0
+        for i in range(d):
+            kv = keys[c0 + j, i]
+            for qi in range(nq):
+                sc[j, qi] += qt[i, qi] * kv
+    top[:] = m
+    for j in range(n):
+        for qi in range(nq):
+            sc[j, qi] *= scale
+            top[qi] = max(top[qi], sc[j, qi])
+    for j in range(n):
+        for qi in range(nq):
+            sc[j, qi] -= top[qi]
+    _exp_nonpositive(scores, n * nq, bits)
+    for qi in range(nq):
+        alpha = np.exp(m[qi] - top[qi])
+        total = s[qi] * alpha
+        for i in range(d):
+            acc[qi, i] *= alpha
+        for j in range(n):
+            p = sc[j, qi]
+            total += p
+            for i in range(d):
+                acc[qi, i] += p * values[c0 + j, i]
+        m[qi] = top[qi]
+        s[qi] = total
+
 
 @jit
 def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
@@ -112,16 +180,31 @@ def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
     prefix = pk.shape[1]
     m = np.full((rows, heads, 1), -np.inf, q.dtype)
     s = np.zeros((rows, heads, 1), q.dtype)
-    scores = np.empty(BLOCK, q.dtype)
+    nq = rows * group
+    scores = np.empty(BLOCK * max(nq, 1), q.dtype)
+    bits = np.empty(BLOCK * max(nq, 1), np.int32)
     out[:] = 0.0
     # The shared prefix: each block of keys/values read once for every row's queries.
-    for g in range(kv_heads):
-        for c0 in range(0, prefix, BLOCK):
-            n = min(BLOCK, prefix - c0)
+    if prefix > 0:
+        qt = np.empty((d, nq), q.dtype)
+        mg, sg, top = np.empty(nq, q.dtype), np.empty(nq, q.dtype), np.empty(nq, q.dtype)
+        acc = np.empty((nq, d), q.dtype)
+        for g in range(kv_heads):
             for b in range(rows):
-                for h in range(g * group, (g + 1) * group):
-                    _block(q[b, h], pk[g], pv[g], c0, n, scale, scores, m[b, h], s[b, h],
-                           out[b, h])
+                for j in range(group):
+                    for i in range(d):
+                        qt[i, b * group + j] = q[b, g * group + j, i]
+            mg[:] = -np.inf
+            sg[:] = 0.0
+            acc[:] = 0.0
+            for c0 in range(0, prefix, BLOCK):
+                _shared_block(qt, pk[g], pv[g], c0, min(BLOCK, prefix - c0), scale, scores,
+                              bits, mg, sg, acc, top)
+            for b in range(rows):
+                for j in range(group):
+                    h = g * group + j
+                    m[b, h, 0], s[b, h, 0] = mg[b * group + j], sg[b * group + j]
+                    out[b, h] = acc[b * group + j]
     # Each row's own columns: each block read once for the query heads of its KV head.
     for b in range(rows):
         for g in range(kv_heads):
@@ -129,7 +212,7 @@ def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
             for c0 in range(first[b], last + 1, BLOCK):
                 n = min(BLOCK, last + 1 - c0)
                 for h in range(g * group, (g + 1) * group):
-                    _block(q[b, h], keys, values, c0, n, scale, scores, m[b, h],
+                    _block(q[b, h], keys, values, c0, n, scale, scores, bits, m[b, h],
                            s[b, h], out[b, h])
     for b in range(rows):
         for h in range(heads):
