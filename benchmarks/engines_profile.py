@@ -162,7 +162,7 @@ def main() -> None:
         if kernels.available():  # the fused decode step's kernels (appo.rollout.cpu.fused)
             from appo.rollout.cpu import attention
 
-            for name in ("rope_write", "attend", "rms_norm", "add_rms_norm", "silu_mul"):
+            for name in ("rope_write", "attend_heads", "rms_norm", "add_rms_norm", "silu_mul"):
                 setattr(attention, name, recorded(getattr(attention, name),
                                                   f"appo::numba_{name}"))
     prompts = prompt_pool(args, 64)[: args.rows]

@@ -8,7 +8,8 @@ is one kernel call on numpy views of the same memory:
 - `rope_write`: the optional per-head RMSNorm (qwen3's q/k norms), rotary on the queries
   and the new keys, and the write of the new keys/values into the batch buffer
   (`[layers, 2, rows, kv_heads, capacity, head_dim]`, `hf_batch`) at the step's column.
-- `attend`: decode attention for one layer, one query per row. Grouped-query aware: the
+- `attend` (`attend_heads`: the KV heads `lo:hi`, for a split over threads): decode
+  attention for one layer, one query per row. Grouped-query aware: the
   query heads of one key/value head are handled together, so each cached key and value is
   read once per KV head (and, under a shared prefix, once for all rows); an online softmax
   over blocks of `BLOCK` columns (flash-decoding), so no score matrix is materialised.
@@ -171,9 +172,11 @@ def _shared_block(qt, keys, values, c0, n, scale, scores, bits, m, s, acc, top):
 
 
 @jit
-def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
-    # q [B, H, d] -> out [B, H, d]. Row b attends to the shared prefix pk/pv
-    # [KV, P, d] (P may be 0) and to its own columns first[b]..last of the buffer.
+def attend_heads(q, buf, layer, first, last, pk, pv, scale, out, lo, hi):  # pragma: no cover
+    # q [B, H, d] -> out [B, H, d] for the query heads of KV heads lo:hi. Row b attends to
+    # the shared prefix pk/pv [KV, P, d] (P may be 0) and to its own columns
+    # first[b]..last of the buffer. KV heads share nothing, so any split of 0:KV over
+    # calls (threads) computes every output with the same code: bit-identical.
     rows, heads, d = q.shape
     kv_heads = buf.shape[3]
     group = heads // kv_heads
@@ -183,42 +186,46 @@ def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover
     nq = rows * group
     scores = np.empty(BLOCK * max(nq, 1), q.dtype)
     bits = np.empty(BLOCK * max(nq, 1), np.int32)
-    out[:] = 0.0
-    # The shared prefix: each block of keys/values read once for every row's queries.
-    if prefix > 0:
-        qt = np.empty((d, nq), q.dtype)
-        mg, sg, top = np.empty(nq, q.dtype), np.empty(nq, q.dtype), np.empty(nq, q.dtype)
-        acc = np.empty((nq, d), q.dtype)
-        for g in range(kv_heads):
-            for b in range(rows):
-                for j in range(group):
-                    for i in range(d):
-                        qt[i, b * group + j] = q[b, g * group + j, i]
-            mg[:] = -np.inf
-            sg[:] = 0.0
-            acc[:] = 0.0
-            for c0 in range(0, prefix, BLOCK):
-                _shared_block(qt, pk[g], pv[g], c0, min(BLOCK, prefix - c0), scale, scores,
-                              bits, mg, sg, acc, top)
-            for b in range(rows):
-                for j in range(group):
-                    h = g * group + j
-                    m[b, h, 0], s[b, h, 0] = mg[b * group + j], sg[b * group + j]
-                    out[b, h] = acc[b * group + j]
-    # Each row's own columns: each block read once for the query heads of its KV head.
-    for b in range(rows):
-        for g in range(kv_heads):
+    qt = np.empty((d, nq), q.dtype)
+    mg, sg, top = np.empty(nq, q.dtype), np.empty(nq, q.dtype), np.empty(nq, q.dtype)
+    acc = np.empty((nq, d), q.dtype)
+    for g in range(lo, hi):
+        # The shared prefix: each block of keys/values read once for every row's queries.
+        for b in range(rows):
+            for j in range(group):
+                for i in range(d):
+                    qt[i, b * group + j] = q[b, g * group + j, i]
+        mg[:] = -np.inf
+        sg[:] = 0.0
+        acc[:] = 0.0
+        for c0 in range(0, prefix, BLOCK):
+            _shared_block(qt, pk[g], pv[g], c0, min(BLOCK, prefix - c0), scale, scores,
+                          bits, mg, sg, acc, top)
+        for b in range(rows):
+            for j in range(group):
+                h = g * group + j
+                m[b, h, 0], s[b, h, 0] = mg[b * group + j], sg[b * group + j]
+                out[b, h] = acc[b * group + j]
+        # Each row's own columns: each block read once for the query heads of this KV head.
+        for b in range(rows):
             keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
             for c0 in range(first[b], last + 1, BLOCK):
                 n = min(BLOCK, last + 1 - c0)
                 for h in range(g * group, (g + 1) * group):
                     _block(q[b, h], keys, values, c0, n, scale, scores, bits, m[b, h],
                            s[b, h], out[b, h])
-    for b in range(rows):
-        for h in range(heads):
-            inv = 1.0 / s[b, h, 0]
-            for i in range(d):
-                out[b, h, i] *= inv
+        for b in range(rows):
+            for h in range(g * group, (g + 1) * group):
+                inv = 1.0 / s[b, h, 0]
+                for i in range(d):
+                    out[b, h, i] *= inv
+
+
+@jit
+def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover - numba
+    # Every KV head in one call.
+    attend_heads(q, buf, layer, first, last, pk, pv, scale, out, 0, buf.shape[3])
+
 
 @jit
 def rms_norm(x, weight, eps, out):  # pragma: no cover - numba

@@ -19,9 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import kernels
+from appo.rollout.cpu import kernels, split
 
 _EMPTY = np.empty(0, np.float32)
+# Query-key pairs of a layer's decode attention below which it runs on the calling thread
+# alone: a helper's wake-up costs tens of microseconds.
+ATTENTION_SPLIT_MIN = 8 * 9 * 256
 
 
 def _array(t: Tensor | None) -> np.ndarray:
@@ -89,6 +92,14 @@ class FusedStep:
         q = np.empty((rows, lean.heads, hd), np.float32)
         att = np.empty((rows, lean.heads * hd), np.float32)
         x_t, att_t = torch.from_numpy(x), torch.from_numpy(att)
+        att3 = att.reshape(rows, lean.heads, hd)
+        # Attention over the run's threads, one KV head per chunk, when the step's
+        # attention is large enough to be worth a helper's wake-up.
+        threads = torch.get_num_threads()
+        work = rows * lean.heads * (col + 1 - int(first.min())
+                                    + (0 if prefix_kv is None else prefix_kv.shape[3]))
+        heads = tuple((g, g + 1) for g in range(lean.kv_heads)) if (
+            threads > 1 and work >= ATTENTION_SPLIT_MIN) else ((0, lean.kv_heads),)
         act: np.ndarray | None = None
         norms = self._layer_norms()
         numpy_linear = impl.numpy_linear
@@ -103,12 +114,9 @@ class FusedStep:
             in_norm, post_norm, q_norm, k_norm = norms[idx]
             qkv = linear(x, x_t, lw.qkv, lw.qkv_bias)
             k.rope_write(qkv, cos_np, sin_np, q_norm, k_norm, eps, buf, idx, col, q)
-            if pkv is None:
-                k.attend(q, buf, idx, first_np, col, empty_kv, empty_kv, lean.scale,
-                         att.reshape(rows, lean.heads, hd))
-            else:
-                k.attend(q, buf, idx, first_np, col, pkv[idx, 0], pkv[idx, 1], lean.scale,
-                         att.reshape(rows, lean.heads, hd))
+            pk, pv = (empty_kv, empty_kv) if pkv is None else (pkv[idx, 0], pkv[idx, 1])
+            split.run_chunks(k.attend_heads, (q, buf, idx, first_np, col, pk, pv, lean.scale,
+                                              att3), heads, threads)
             k.add_rms_norm(h, linear(att, att_t, lw.o, lw.o_bias), post_norm, eps, x)
             gate_up = linear(x, x_t, lw.gate_up, lw.gate_up_bias)
             if act is None:
