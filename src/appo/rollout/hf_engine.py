@@ -21,7 +21,8 @@ Where the speed comes from:
 - CPU decode steps run their matmuls by a fixed rule on the row count and the CPU
   (`appo.rollout.cpu.matmuls`: MKL, or the numba kernels of `appo.rollout.cpu.kernels`,
   which beat MKL's small-M float32 GEMM on these CPUs; `cpu_kernel=None` uses them when
-  numba is installed).
+  numba is installed). With numba, the rest of such a step (rotary, cache write, attention,
+  norms) runs in numba kernels too (`appo.rollout.cpu.fused`), with no mask tensor.
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
