@@ -36,6 +36,11 @@ committed `src` tree, library versions), so it can be stopped and resumed.
     python benchmarks/engines.py                                   # 8,32 rows, 128 tokens
     python benchmarks/engines.py --rows 2 --new-tokens 8 --repeats 1 --out /tmp/e.md  # smoke
     python benchmarks/engines.py --decide 16      # hf or vllm for 16 rows, from the log
+    python benchmarks/engines.py --prefix-caching none --base ../appo-base  # before / after
+
+`--base TREE` adds engine `hf-base`: the same hf worker with TREE's `src` first on the path
+(a git worktree of the commit before a change), interleaved with `hf` in every repeat; its
+"vs hf" columns are then base / new.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MARK = "@@ENGINES@@ "
-ENGINES = {"hf": "appo hf", "vllm-pc-off": "vLLM, prefix cache off",
+ENGINES = {"hf": "appo hf", "hf-base": "appo hf, --base tree", "vllm-pc-off": "vLLM, prefix cache off",
            "vllm-pc-on": "vLLM, prefix cache on"}
 WARMUP_ROWS, WARMUP_TOKENS = 2, 2
 
@@ -75,7 +80,7 @@ def _make_engine(args):
 
     torch.set_num_threads(args.threads)
     info: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    if args.worker == "hf":
+    if args.worker in ("hf", "hf-base"):
         from appo.models import load_model
         from appo.rollout.hf_engine import HFEngine
 
@@ -157,9 +162,11 @@ class Worker:
     def __init__(self, engine: str, args, init: dict, log: Path):
         self.engine, self.log_path = engine, log
         self.log = log.open("w")
+        # hf-base: the same worker code on the --base tree's appo (before / after a change).
+        src = args.base / "src" if engine == "hf-base" else REPO / "src"
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                    PYTHONPATH=os.pathsep.join(
-                       [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+                       [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
                "--threads", str(args.threads), "--model", args.model,
                "--kv-cache-gib", str(args.kv_cache_gib),
@@ -236,10 +243,10 @@ def versions() -> dict:
     return out
 
 
-def src_tree() -> str:
+def src_tree(repo: Path = REPO) -> str:
     """The committed `src` tree's hash, with `+dirty` when src has uncommitted changes."""
     def git(*a):
-        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True,
+        return subprocess.run(["git", "-C", str(repo), *a], capture_output=True,
                               text=True).stdout.strip()
 
     tree = git("rev-parse", "--short", "HEAD:src") or "?"
@@ -375,7 +382,9 @@ def write_table(records: list[dict], args, mach: dict, vers: dict, command: str)
         f"- machine: {mach['cpu']}, {mach['cores']} cores ({mach['logical_cpus']} logical, "
         f"{mach['usable_cpus']} usable), {mach['mem_gib']} GiB; "
         + ", ".join(f"{k} {v}" for k, v in vers.items()),
-        f"- appo src tree {src_tree()}; model {args.model}, float32; {args.threads} threads "
+        f"- appo src tree {src_tree()}"
+        + (f" (hf-base: {args.base}, src tree {src_tree(args.base)})" if args.base else "")
+        + f"; model {args.model}, float32; {args.threads} threads "
         "(torch threads for hf = OMP_NUM_THREADS for vLLM)",
         f"- workload: {', '.join(map(str, rows_all))} rows ({args.per_prompt} per prompt), "
         f"{args.new_tokens} new tokens, temperature 1, log-probs on (vLLM top-"
@@ -431,7 +440,8 @@ def config_key(args, mach: dict, vers: dict) -> dict:
     return {"model": args.model, "new_tokens": args.new_tokens, "threads": args.threads,
             "per_prompt": args.per_prompt, "template": args.template, "data": args.data,
             "vllm_logprobs": args.vllm_logprobs, "kv_cache_gib": args.kv_cache_gib,
-            "cpu": mach["cpu"], "src": src_tree(), "versions": vers}
+            "cpu": mach["cpu"], "src": src_tree(), "versions": vers,
+            **({"base_src": src_tree(args.base)} if args.base else {})}
 
 
 def read_log(path: Path) -> list[dict]:
@@ -446,7 +456,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both")
+    p.add_argument("--prefix-caching", choices=("off", "on", "both", "none"), default="both",
+                   help="vLLM with prefix caching off, on, both; none: no vLLM")
+    p.add_argument("--base", type=Path,
+                   help="also time the hf engine of this tree (e.g. a git worktree of the "
+                        "commit before a change) as engine hf-base, interleaved with hf")
     p.add_argument("--per-prompt", type=int, default=1,
                    help="rows per prompt (forks of one prompt; 1: every row its own prompt)")
     p.add_argument("--model", default="smollm2-135m")
@@ -478,8 +492,11 @@ def main() -> None:
             print(f"{v}: {faster_engine(s, args.decide, v)} "
                   f"(vLLM/hf call tok/s {'-' if ratio is None else f'{ratio:.2f}'})")
         return
-    engines = ["hf"] + {"off": ["vllm-pc-off"], "on": ["vllm-pc-on"],
-                        "both": ["vllm-pc-off", "vllm-pc-on"]}[args.prefix_caching]
+    if args.base is not None and not (args.base / "src" / "appo").is_dir():
+        raise SystemExit(f"--base {args.base}: no src/appo there (expected an appo checkout)")
+    engines = ["hf"] + (["hf-base"] if args.base else []) + {
+        "off": ["vllm-pc-off"], "on": ["vllm-pc-on"], "both": ["vllm-pc-off", "vllm-pc-on"],
+        "none": []}[args.prefix_caching]
     todo = [(rep, rows, e) for rep in range(args.repeats) for rows in rows_list
             for e in engines
             if not any(d["kind"] == "decode" and (d["rep"], d["rows"], d["engine"])

@@ -5,8 +5,8 @@ One engine per run, in this process (`benchmarks/engines.py`'s engine set-up and
 `--rows` rows, a 1-token call and an `--new-tokens` call on the same prompts, each under
 `torch.profiler`; the second minus the first, divided by the extra steps, is one decode step.
 Printed per decode step:
-- every torch op (and appo's numba matmul kernel, recorded as `appo::numba_linear`) with its
-  call count and its share of the step's self CPU time (shares shift under load; counts do
+- every torch op (and each call of appo's numba kernels, recorded as `appo::numba_*`: the
+  matmuls and the fused decode step's kernels) with its call count and its share of the step's self CPU time (shares shift under load; counts do
   not);
 - how the process's CPU time split over its threads during the N-token call
   (`/proc/self/task/*/stat`): whether the step's work runs on one core or on all.
@@ -146,18 +146,25 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     eng, info, _, _ = _make_engine(args)
-    if args.engine == "hf":  # numba kernels are no torch op: record them as one
+    if args.engine == "hf":  # numba kernels are no torch op: record each call as one
         from torch.profiler import record_function
 
         from appo.rollout.cpu import kernels
 
-        plain = kernels.linear
+        def recorded(plain, name):
+            def call(*a, **kw):
+                with record_function(name):
+                    return plain(*a, **kw)
+            return call
 
-        def recorded(*a, **kw):
-            with record_function("appo::numba_linear"):
-                return plain(*a, **kw)
+        # `kernels.linear` (tensors) runs through `linear_numpy` too: one record per matmul.
+        kernels.linear_numpy = recorded(kernels.linear_numpy, "appo::numba_linear")
+        if kernels.available():  # the fused decode step's kernels (appo.rollout.cpu.fused)
+            from appo.rollout.cpu import attention
 
-        kernels.linear = recorded
+            for name in ("rope_write", "attend_heads", "rms_norm", "add_rms_norm", "silu_mul"):
+                setattr(attention, name, recorded(getattr(attention, name),
+                                                  f"appo::numba_{name}"))
     prompts = prompt_pool(args, 64)[: args.rows]
     _decode_warm = profiled_call(eng, prompts, 2)  # noqa: F841 - first calls compile/allocate
     one, _, r1 = profiled_call(eng, prompts, 1)
@@ -171,8 +178,10 @@ def main() -> None:
     total = sum(us for _, us in per_step.values()) or 1.0
     print(f"engine {args.engine}, {args.rows} rows, {steps} decode steps; {info}; "
           f"tokens {r1['tokens']} / {rn['tokens']}; load average {os.getloadavg()[0]:.1f}")
-    print(f"torch ops per decode step: {sum(c for c, _ in per_step.values()):.0f} calls, "
-          f"{len(per_step)} kinds")
+    appo_calls = sum(c for op, (c, _) in per_step.items() if op.startswith("appo::"))
+    print(f"op calls per decode step: {sum(c for c, _ in per_step.values()):.0f} calls, "
+          f"{len(per_step)} kinds ({appo_calls:.0f} of them appo's numba kernels, "
+          f"`appo::*`)")
     print("| op | calls per step | share of self CPU time |")
     print("| --- | --- | --- |")
     for op, (count, us) in sorted(per_step.items(), key=lambda kv: -kv[1][1])[: args.top]:

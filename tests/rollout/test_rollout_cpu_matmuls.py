@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,27 @@ def test_every_implementation_equals_f_linear(name, rows):
     # float32, the dtype the engine uses: equal up to summation order.
     w32, x32 = weight.float(), x.float()
     torch.testing.assert_close(impl.linear(x32, w32), x32 @ w32.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_numpy_entry_point_equals_linear_to_the_bit(name, dtype):
+    # The fused decode step calls `numpy_linear` where an implementation has one and
+    # `linear` otherwise: the two must run the same arithmetic (rollouts must not change
+    # with the path), so they agree bit for bit, with and without a bias.
+    impl = IMPLEMENTATIONS[name]
+    if impl.kernel and kernels.numba is None:
+        pytest.skip("numba is not installed")
+    assert impl.numpy_linear is not None  # every built-in implementation has one
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 41, generator=gen, dtype=dtype)
+    bias = torch.randn(300, generator=gen, dtype=dtype)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 41, generator=gen, dtype=dtype)
+        for b in (None, bias):
+            got = impl.numpy_linear(x.numpy(), weight, b)
+            assert isinstance(got, np.ndarray) and got.shape == (rows, 300)
+            assert torch.equal(torch.from_numpy(got), impl.linear(x, weight, b))
 
 
 @needs_numba

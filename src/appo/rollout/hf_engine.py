@@ -21,7 +21,8 @@ Where the speed comes from:
 - CPU decode steps run their matmuls by a fixed rule on the row count and the CPU
   (`appo.rollout.cpu.matmuls`: MKL, or the numba kernels of `appo.rollout.cpu.kernels`,
   which beat MKL's small-M float32 GEMM on these CPUs; `cpu_kernel=None` uses them when
-  numba is installed).
+  numba is installed). With numba, the rest of such a step (rotary, cache write, attention,
+  norms) runs in numba kernels too (`appo.rollout.cpu.fused`), with no mask tensor.
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
@@ -213,6 +214,11 @@ class HFEngine(TableRows):
         """`shared_kv` (`[layers, 2, kv_heads, P, head_dim]`, decode steps of the lean
         forward): the keys/values of the first P tokens every row shares, read once."""
         steps = input_ids.shape[1]
+        fused = None if self._lean is None else self._lean.fused(input_ids)
+        if fused is not None:  # no mask: the kernels read each row's columns from start
+            logits = fused(input_ids, positions, cache, start, shared_kv)
+            cache.length += steps
+            return logits
         if self._lean is not None:
             if shared_kv is None:  # the whole-context mask, or only the rows' own columns
                 mask, prefix = self._mask(start, cache.length, steps), None
@@ -386,11 +392,13 @@ class HFEngine(TableRows):
         """Sample, drop stopped rows, step the batch; until every row has stopped."""
         while True:
             act = batch.sampling()
-            idx = batch.slots_of(act)
-            tok, lp, ent, ent_top = sample(
-                batch.logits.index_select(0, idx), params, self.generator,
-                None if batch.seen is None else batch.seen.index_select(0, idx),
-            )
+            if [batch.slot[i] for i in act] == list(range(batch.size)):
+                logits, seen = batch.logits, batch.seen  # every slot samples: no copy
+            else:
+                idx = batch.slots_of(act)
+                logits = batch.logits.index_select(0, idx)
+                seen = None if batch.seen is None else batch.seen.index_select(0, idx)
+            tok, lp, ent, ent_top = sample(logits, params, self.generator, seen)
             for i, t, logp, h, h_top in zip(act, tok.tolist(), lp.tolist(), ent.tolist(),
                                             ent_top.tolist(), strict=True):
                 batch.add_token(i, t)

@@ -8,4 +8,7 @@
   numba decode steps use torch, only slower.
 - `split`: runs a kernel over every thread the run is given (output columns in chunks),
   bit-identical to one thread.
+- `fused`: a decode step with the work between the matmuls in numba kernels (`attention`:
+  rotary + cache write, one GQA / shared-prefix attention kernel per layer, fused norms);
+  without numba the lean decoder's torch code runs instead.
 """

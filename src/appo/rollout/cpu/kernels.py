@@ -184,25 +184,35 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     8-weight-rows x 2-input-rows kernel (worth it only with AVX-512's 32 registers).
     `threads` (default: torch's thread count) split the output columns
     (`appo.rollout.cpu.split`); the result is bit-identical for any count."""
-    global _kernel, _wide_kernel
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if wide:
-        if _wide_kernel is None:
-            _wide_kernel = _build_wide()
-        kernel = _wide_kernel
-    else:
-        if _kernel is None:
-            _kernel = _build()
-        kernel = _kernel
-    # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
-    dtype = _NUMPY.get(x.dtype) or torch.empty(0, dtype=x.dtype).numpy().dtype
-    out_array = np.empty((rows.shape[0], weight.shape[0]), dtype=dtype)
-    split.run(kernel, rows.detach().numpy() if rows.requires_grad else rows.numpy(),
-              _weight_array(weight), out_array,
-              torch.get_num_threads() if threads is None else threads)
-    out = torch.from_numpy(out_array)
+    out = torch.from_numpy(linear_numpy(
+        rows.detach().numpy() if rows.requires_grad else rows.numpy(), weight, None, wide,
+        threads))
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+def _kernel_for(wide: bool):
+    global _kernel, _wide_kernel
+    if wide:
+        if _wide_kernel is None:
+            _wide_kernel = _build_wide()
+        return _wide_kernel
+    if _kernel is None:
+        _kernel = _build()
+    return _kernel
+
+
+def linear_numpy(x: np.ndarray, weight: Tensor, bias: Tensor | None = None,
+                 wide: bool = False, threads: int | None = None) -> np.ndarray:
+    """`linear` on a contiguous `[M, K]` numpy array, returning a new `[M, N]` numpy array:
+    the decode step of `appo.rollout.cpu.fused` keeps its activations in numpy, and each
+    tensor <-> numpy conversion is several dispatched op calls."""
+    # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
+    out = np.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    split.run(_kernel_for(wide), x, _weight_array(weight), out,
+              torch.get_num_threads() if threads is None else threads)
+    if bias is not None:
+        out += _weight_array(bias)
+    return out
+

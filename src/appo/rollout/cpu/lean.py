@@ -11,6 +11,9 @@ decode step (weight-bandwidth bound at a few rows) rewards:
 - CPU decode steps run their projections and LM head the way `matmuls` picks for that
   many rows: torch (MKL; the LM head in row blocks), torch as `W @ x^T`, or the numba
   kernels of `kernels`. Prefill and GPU steps use torch.
+- CPU decode steps with numba run the work between the matmuls in numba kernels
+  (`fused`: rotary + cache write, one attention kernel per layer, fused norms); without
+  numba, or with `cpu_kernel=False`, the torch code below.
 The packed copies (~280 MB for SmolLM2-135M in float32) are rebuilt whenever any weight
 changes (tensor version counter or storage), so optimizer steps between rollouts are
 picked up with no sync call. The model object is never modified; the trainer's
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from appo.errors import AppoError
 from appo.rollout.cpu import kernels
+from appo.rollout.cpu.fused import FusedStep
 from appo.rollout.cpu.matmuls import DEFAULT, Implementation, MatmulRule, decode_rule
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -107,7 +111,18 @@ class LeanDecoder:
         self._key: tuple | None = None
         self._layers: list[_Layer] = []
         weight = next(model.parameters())
+        self.dtype = weight.dtype
         self.rule: MatmulRule = decode_rule(weight.dtype, weight.device, self.cpu_kernel)
+        # Decode steps through the numba kernels of `fused` (float32 CPU, numba on);
+        # otherwise `__call__`'s torch code.
+        self._fused = FusedStep(self) if self.cpu_kernel else None
+
+    def fused(self, input_ids: Tensor) -> FusedStep | None:
+        """The fused decode step for this forward, None when it takes the torch path."""
+        fused = self._fused
+        if fused is None or not FusedStep.applies(input_ids, self.dtype):
+            return None
+        return fused
 
     @staticmethod
     def supports(model) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -63,6 +64,32 @@ def _numba_linear(wide: bool):
     return linear
 
 
+def _torch_numpy_linear(weight_first: bool):
+    """`F.linear` (or `linear_weight_first`) on a `[M, K]` numpy array into a new numpy
+    array: the same MKL call, without the tensor <-> numpy conversions around it."""
+    def linear(x, weight: Tensor, bias: Tensor | None = None):
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+        rows, out_t = torch.from_numpy(x), torch.from_numpy(out)
+        if weight_first:
+            out_t.copy_(torch.mm(weight, rows.t()).t())
+            if bias is not None:
+                out_t += bias
+        elif bias is None:
+            torch.mm(rows, weight.t(), out=out_t)
+        else:  # what F.linear runs with a bias (the sum inside the GEMM)
+            torch.addmm(bias, rows, weight.t(), out=out_t)
+        return out
+
+    return linear
+
+
+def _numba_numpy_linear(wide: bool):
+    def linear(x, weight: Tensor, bias: Tensor | None = None):
+        return kernels.linear_numpy(x, weight, bias, wide=wide)
+
+    return linear
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way to run a decode step's matmuls: `linear` for the projections
@@ -72,16 +99,22 @@ class Implementation:
     linear: Callable[..., Tensor]
     head: Callable[[Tensor, Tensor], Tensor]
     kernel: bool = False  # needs numba (appo.rollout.cpu.kernels)
+    # `linear` on a `[M, K]` numpy array returning numpy (no tensors made), where the
+    # implementation has one; the fused decode step (`appo.rollout.cpu.fused`) uses it.
+    numpy_linear: Callable | None = None
 
 
 _NUMBA = _numba_linear(False)
 _NUMBA_WIDE = _numba_linear(True)
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "torch": Implementation("torch", F.linear, head_in_blocks),
+    "torch": Implementation("torch", F.linear, head_in_blocks,
+                            numpy_linear=_torch_numpy_linear(False)),
     "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
-                                         head_in_blocks),
-    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True),
-    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True),
+                                         head_in_blocks, numpy_linear=_torch_numpy_linear(True)),
+    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True,
+                            numpy_linear=_numba_numpy_linear(False)),
+    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True,
+                                 numpy_linear=_numba_numpy_linear(True)),
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
 

@@ -128,6 +128,14 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def run_chunks(kernel: Callable, args: tuple, chunks: tuple[tuple[int, int], ...],
+               threads: int) -> None:
+    """`kernel(*args, lo, hi)` for every `(lo, hi)` of `chunks`, over `threads` threads (the
+    caller's included): for kernels whose chunks share nothing (the fused decode step's
+    attention, chunked by KV head)."""
+    _HELPERS.run(kernel, args, chunks, threads)
+
+
 def run(kernel: Callable, x, w, out, threads: int) -> None:
     """`kernel(x, w, out, lo, hi)` over all of `w`'s rows (`out`'s columns), split over
     `threads` threads (the caller's included)."""
