@@ -260,7 +260,7 @@ def test_two_process_update_matches_single_process(two_process_updates, mode):
         assert torch.allclose(dist["params"][name], p, atol=1e-5), name
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("parallel", [pytest.param(p, marks=pytest.mark.slow) for p in ("ddp", "fsdp")])
 def test_two_process_training_run_completes(toy, parallel):
     run = toy["dir"] / f"{parallel}_run"
     args = ["-m", "appo.cli", "train", "model.path=tiny-test", f"data.train_files=[{toy['data']}]",
