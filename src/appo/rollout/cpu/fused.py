@@ -39,22 +39,12 @@ class FusedStep:
 
         self.lean = lean
         self.k = attention
-        self._buf_key: tuple | None = None
-        self._buf_np: np.ndarray | None = None
         self._norms: tuple | None = None
 
     @staticmethod
     def applies(input_ids: Tensor, dtype: torch.dtype) -> bool:
         return (input_ids.shape[1] == 1 and input_ids.device.type == "cpu"
                 and dtype == torch.float32 and kernels.available())
-
-    def _buffer(self, buf: Tensor) -> np.ndarray:
-        """The batch buffer's numpy view, made once per buffer (it changes only when the
-        batch compacts or grows)."""
-        key = (buf.data_ptr(), tuple(buf.shape))
-        if key != self._buf_key:
-            self._buf_np, self._buf_key = buf.numpy(), key
-        return self._buf_np
 
     def _layer_norms(self) -> list[tuple]:
         """Per layer: the numpy views of its norm weights, rebuilt with the packed weights."""
@@ -80,7 +70,9 @@ class FusedStep:
         cos, sin = lean.base.rotary_emb(emb, position_ids)
         cos_np, sin_np = cos.reshape(rows, hd).numpy(), sin.reshape(rows, hd).numpy()
         h = emb.reshape(rows, lean.hidden).numpy()  # the residual stream, updated in place
-        buf = self._buffer(cache.buf)
+        # A view made per step (one call), not kept: a kept view would keep a finished
+        # batch's whole buffer alive until the next rollout.
+        buf = cache.buf.numpy()
         col = int(cache.length)
         if prefix_kv is None:
             pkv, first = None, start
