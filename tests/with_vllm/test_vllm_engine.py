@@ -161,15 +161,18 @@ def test_sync_after_an_optimizer_step(cfg, lm, engine, prompts):
 
 
 def test_many_long_prompts_in_one_call(engine):
-    """32 seeded rows of ~290 prompt tokens in one call exceed vLLM's per-step token budget
-    (4096 on CPU): with chunked prefill vLLM 0.32's CPU worker failed on the seeded requests
-    ("CPU Generator does not use offset"); start_llm turns chunked prefill off on CPU."""
+    """15 seeded rows of 290 prompt tokens (4,350) in one call exceed vLLM's per-step token
+    budget (4096 on CPU), just: with chunked prefill vLLM 0.32's CPU worker failed on the
+    seeded requests ("CPU Generator does not use offset", first seen with 32 rows);
+    start_llm turns chunked prefill off on CPU. More rows only cost prefill time."""
     from appo.rollout.sampling import SamplingParams
 
+    n_rows = 15
+    assert n_rows * 290 > 4096
     rows = [engine.add_row([100 + (7 * i + 13 * j) % 30000 for j in range(290)])
-            for i in range(32)]
+            for i in range(n_rows)]
     try:
-        outs = engine.decode(rows, [2] * 32, SamplingParams(temperature=1.0))
+        outs = engine.decode(rows, [2] * n_rows, SamplingParams(temperature=1.0))
         # every row sampled its 2 tokens (or stopped at EOS after 1)
         assert all(len(o.token_ids) == 2 or o.finish == "eos" for o in outs)
         assert all(o.token_ids for o in outs)
