@@ -86,16 +86,17 @@ def fastest_rule(fastest: dict[int, str]):
     last = max(fastest)
     for rows, name in [*sorted(fastest.items()), (last + 1, "torch")]:
         if not steps or steps[-1][1] != name:
-            steps.append((rows, name))
+            # A rule starts at 1 row: the first measured row count's choice reaches down.
+            steps.append((rows if steps else 1, name))
     return MatmulRule(tuple(steps))
 
 
 def one_thread(impl):
     """`impl` (a numba kernel) with its output columns on the calling thread only."""
     from appo.rollout.cpu import kernels
-    from appo.rollout.cpu.matmuls import Implementation
+    from appo.rollout.cpu.matmuls import KERNEL_KINDS, Implementation
 
-    linear = functools.partial(kernels.linear, wide=impl.name == "numba_wide", threads=1)
+    linear = functools.partial(kernels.linear, kind=KERNEL_KINDS[impl.name], threads=1)
     return Implementation(f"{impl.name}@1", linear, linear, kernel=True)
 
 
