@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba is not inst
 
 @pytest.fixture
 def split_everything(monkeypatch):
-    """Thresholds that split even the tiny test model's matrices."""
+    """Thresholds that split even the tiny test model's matrices and attention."""
+    from appo.rollout.cpu import fused
+
+    monkeypatch.setattr(fused, "ATTENTION_SPLIT_MIN", 0)
     monkeypatch.setattr(split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(split, "CHUNK_MIN_BYTES", 1)
     chunks = split.column_chunks  # a test may replace it with a spy
