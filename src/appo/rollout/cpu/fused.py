@@ -6,7 +6,11 @@ and, between them, `attention`'s kernels: RMSNorm, rotary + cache write, one att
 kernel, residual add fused with the next norm, SiLU x up. What the torch path rebuilt in
 every layer is done once per step: rotary's cos/sin, the numpy views of the batch buffer
 and of the step's work arrays, each row's first visible column (instead of an additive
-mask). The hidden state stays in one numpy array updated in place.
+mask). Once per decode call (per shared prefix): the prefix's values transposed for the
+attention kernel's matmul. The hidden state stays in one numpy array updated in place.
+Attention is split over the run's threads in work units (one KV head x a block of rows,
+`attention.units`), so both cores work even where the model has an odd number of KV
+heads; the units share nothing, so the split does not change a bit of the result.
 
 The matmuls go through the implementation's `linear` on tensors (so a test's spy on it
 still sees every call), except where the implementation has a numpy entry point
