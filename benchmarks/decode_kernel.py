@@ -32,6 +32,7 @@ throughput = sampled tokens / CPU seconds of the decode call.
     .venv/bin/python benchmarks/decode_kernel.py --threads 2 --rows 8,16,32
     .venv/bin/python benchmarks/decode_kernel.py --threads 2 --engine --engine-rows 8,32
     .venv/bin/python benchmarks/decode_kernel.py --rollout --repeats 5
+    .venv/bin/python benchmarks/decode_kernel.py --attention --rows 8,32   # attention alone
 """
 
 from __future__ import annotations
@@ -86,16 +87,17 @@ def fastest_rule(fastest: dict[int, str]):
     last = max(fastest)
     for rows, name in [*sorted(fastest.items()), (last + 1, "torch")]:
         if not steps or steps[-1][1] != name:
-            steps.append((rows, name))
+            # A rule starts at 1 row: the first measured row count's choice reaches down.
+            steps.append((rows if steps else 1, name))
     return MatmulRule(tuple(steps))
 
 
 def one_thread(impl):
     """`impl` (a numba kernel) with its output columns on the calling thread only."""
     from appo.rollout.cpu import kernels
-    from appo.rollout.cpu.matmuls import Implementation
+    from appo.rollout.cpu.matmuls import KERNEL_KINDS, Implementation
 
-    linear = functools.partial(kernels.linear, wide=impl.name == "numba_wide", threads=1)
+    linear = functools.partial(kernels.linear, kind=KERNEL_KINDS[impl.name], threads=1)
     return Implementation(f"{impl.name}@1", linear, linear, kernel=True)
 
 
@@ -266,6 +268,56 @@ def engine_compare(lm, rows_list: list[int], new_tokens: int, repeats: int) -> N
               f"{min(loads):.1f}-{max(loads):.1f} |", flush=True)
 
 
+def attention_table(rows_list: list[int], repeats: int) -> None:
+    """`--attention`: one layer's decode attention, SmolLM2's shape (9 query heads, 3 KV
+    heads, head dim 64) under a 280-token shared prefix plus each row's own columns, float32:
+    the fused step's kernel (`attention.attend`, all units on the calling thread) against
+    the torch path's `LeanDecoder._cascade_attention` (batched matmuls + softmax, torch's
+    threads), best of `repeats` x 20 calls, interleaved."""
+    import numpy as np
+
+    from appo.rollout.cpu import attention
+    from appo.rollout.cpu.lean import LeanDecoder, SharedPrefix
+
+    heads, kv_heads, hd, prefix = 9, 3, 64, 280
+    lean = object.__new__(LeanDecoder)  # only the attributes its attention reads
+    lean.heads, lean.kv_heads, lean.head_dim, lean.scale = heads, kv_heads, hd, hd**-0.5
+    print(f"decode attention, microseconds per layer call, best of {repeats} x 20; torch "
+          f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
+    print("| rows | own columns | kernel (1 thread) | torch | torch / kernel |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows in rows_list:
+        for own in (20, 130):
+            gen = torch.Generator().manual_seed(rows + own)
+            length = prefix + own  # each row's copy of the prefix, then its own columns
+            buf = torch.randn(1, 2, rows, kv_heads, length + 1, hd, generator=gen)
+            shared = torch.randn(1, 2, kv_heads, prefix, hd, generator=gen)
+            q = torch.randn(rows, heads, 1, hd, generator=gen)
+            starts = torch.full((rows,), prefix)
+            mask = torch.zeros(rows, 1, 1, length + 1 - prefix)
+            sp = SharedPrefix(shared, prefix, mask)
+            q_np, buf_np = q[:, :, 0].numpy().copy(), buf.numpy()
+            out = np.empty((rows, heads, hd), np.float32)
+            pk, pv = shared[0, 0].numpy(), shared[0, 1].numpy()
+
+            kernel = functools.partial(attention.attend, q_np, buf_np, 0, starts.numpy(),
+                                       length, pk, pv, lean.scale, out)
+            reference = functools.partial(lean._cascade_attention, q, buf[0, 0], buf[0, 1],
+                                          sp, 0)
+
+            best = {"kernel": float("inf"), "torch": float("inf")}
+            for fn in (kernel, reference):
+                fn()  # compile / warm
+            for _ in range(repeats):
+                for name, fn in (("kernel", kernel), ("torch", reference)):
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    best[name] = min(best[name], (time.perf_counter() - t0) / 20)
+            print(f"| {rows} | {own} | {best['kernel'] * 1e6:.0f} | {best['torch'] * 1e6:.0f} "
+                  f"| {best['torch'] / best['kernel']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (MKL)")
@@ -277,8 +329,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rollout", action="store_true",
                         help="fixed rule vs the former measured plan on a rollout batch")
+    parser.add_argument("--attention", action="store_true",
+                        help="one layer's decode attention: the fused kernel vs torch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.attention:
+        attention_table([int(r) for r in args.rows.split(",")], max(args.repeats, 5))
+        return
 
     from appo.models import load_model
 

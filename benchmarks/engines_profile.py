@@ -11,6 +11,11 @@ Printed per decode step:
 - how the process's CPU time split over its threads during the N-token call
   (`/proc/self/task/*/stat`): whether the step's work runs on one core or on all.
 
+`--timers` (hf only): no profiler; wall time per decode step of an `--new-tokens` call,
+split into the forward's matmuls (projections + LM head), the fused step's kernels by
+name, the rest of the forward, and the engine outside the forward (sampling, step inputs),
+best of `--repeats` calls minus a 1-token call.
+
 `--matmuls` instead runs one decode step's projections and LM head (SmolLM2-135M shapes,
 `--rows` rows, float32) `--repeats` times with appo's decode matmul for that row count and,
 where vLLM is installed, with vLLM's CPU GEMM (`onednn_mm` on a prepacked weight, what its
@@ -31,6 +36,8 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# The fused decode step's kernels (`appo.rollout.cpu.attention`), each call recorded as one op.
+FUSED_KERNELS = ("rope_write", "attend_units", "rms_norm", "add_rms_norm", "silu_mul")
 sys.path.insert(0, str(HERE))
 
 
@@ -118,6 +125,93 @@ def matmul_split(args) -> None:
           f"{thread_split(vllm_step, args.repeats)}")
 
 
+def step_timers(eng, prompts, args) -> None:
+    """`--timers`: where a decode step's wall time goes (see the module docstring)."""
+    import dataclasses
+    import time
+    import types
+
+    from engines import _decode
+
+    lean = eng._lean
+    fused = lean._fused
+    spent: Counter = Counter()
+
+    def timed(fn, name):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    plain_matmuls = lean._matmuls
+
+    def matmuls(input_ids):
+        impl = plain_matmuls(input_ids)
+        return dataclasses.replace(
+            impl, linear=timed(impl.linear, "matmuls"), head=timed(impl.head, "matmuls"),
+            numpy_linear=None if impl.numpy_linear is None
+            else timed(impl.numpy_linear, "matmuls"))
+
+    lean._matmuls = matmuls
+    if fused is not None:
+        # Attention runs in chunks on several threads: its wall time is the split's call.
+        from appo.rollout.cpu import fused as fused_module
+
+        wrapped = types.SimpleNamespace(**vars(fused.k))
+        for name in (n for n in FUSED_KERNELS if hasattr(fused.k, n)):
+            if not name.startswith("attend"):
+                setattr(wrapped, name, timed(getattr(fused.k, name), name))
+        fused.k = wrapped
+        fused_module.split = types.SimpleNamespace(**vars(fused_module.split))
+        fused_module.split.run_chunks = timed(fused_module.split.run_chunks, "attention")
+    eng._forward = timed(eng._forward, "forward")
+
+    def run(tokens: int) -> tuple[float, Counter, Counter]:
+        spent.clear()
+        before = thread_cpu_ticks()
+        t0 = time.perf_counter()
+        _decode(eng, prompts, 1, tokens, seed=0)
+        wall = time.perf_counter() - t0
+        after = thread_cpu_ticks()
+        ticks = Counter({tid: t - before.get(tid, (n, 0))[1] for tid, (n, t) in after.items()})
+        return wall, Counter(spent), ticks
+
+    run(2)
+    diffs = []
+    for _ in range(args.repeats):
+        one, many = run(1), run(args.new_tokens)
+        diffs.append((many[0] - one[0], many[1] - one[1], many[2] - one[2]))
+    # The median repeat by wall time (a busy machine makes single repeats swing).
+    wall, parts, ticks = sorted(diffs, key=lambda d: d[0])[len(diffs) // 2]
+    steps = args.new_tokens - 1
+    kernel_names = [n for n in parts if n not in ("forward", "matmuls")]
+    parts["forward, rest"] = parts["forward"] - parts["matmuls"] - sum(
+        parts[n] for n in kernel_names)
+    parts["engine outside the forward"] = wall - parts["forward"]
+    del parts["forward"]
+    print(f"{args.rows} rows, {steps} decode steps, best of {args.repeats}, threads "
+          f"{args.threads}, rule {lean.rule}; load average {os.getloadavg()[0]:.1f}")
+    print(f"wall per decode step: {1e3 * wall / steps:.2f} ms "
+          f"({args.rows * steps / wall:.1f} tok/s)")
+    print("| part | ms per step | share |")
+    print("| --- | ---: | ---: |")
+    for name, t in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {1e3 * t / steps:.2f} | {100 * t / wall:.1f}% |")
+    # The decode steps' own thread split (the N-token call minus the 1-token call, which
+    # holds the prefill), by role as in the profiled mode.
+    import threading
+
+    roles = {t.native_id: t.name for t in threading.enumerate()}
+    roles[threading.get_native_id()] = "caller"
+    total = sum(t for t in ticks.values() if t > 0) or 1
+    print("decode steps' CPU time by thread: " + ", ".join(
+        f"{roles.get(tid, 'other (torch OpenMP)')} {100 * t / total:.0f}%"
+        for tid, t in ticks.most_common() if t > 0.02 * total))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("hf", "vllm-pc-on", "vllm-pc-off"), default="hf")
@@ -131,6 +225,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--vllm-logprobs", type=int, default=20)
     p.add_argument("--matmuls", action="store_true")
+    p.add_argument("--timers", action="store_true")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     args.worker = args.engine
@@ -146,6 +241,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     eng, info, _, _ = _make_engine(args)
+    if args.timers:
+        step_timers(eng, prompt_pool(args, 64)[: args.rows], args)
+        return
     if args.engine == "hf":  # numba kernels are no torch op: record each call as one
         from torch.profiler import record_function
 
@@ -159,12 +257,17 @@ def main() -> None:
 
         # `kernels.linear` (tensors) runs through `linear_numpy` too: one record per matmul.
         kernels.linear_numpy = recorded(kernels.linear_numpy, "appo::numba_linear")
-        if kernels.available():  # the fused decode step's kernels (appo.rollout.cpu.fused)
-            from appo.rollout.cpu import attention
+        fused = getattr(getattr(eng, "_lean", None), "_fused", None)
+        if fused is not None:  # the fused decode step's kernels (appo.rollout.cpu.fused)
+            # Wrapped in a namespace the step reads them from, not in the module: a kernel
+            # that calls another (add_rms_norm -> rms_norm) resolves it as a module global
+            # when numba compiles it, and a Python wrapper there cannot be compiled.
+            import types
 
-            for name in ("rope_write", "attend_heads", "rms_norm", "add_rms_norm", "silu_mul"):
-                setattr(attention, name, recorded(getattr(attention, name),
-                                                  f"appo::numba_{name}"))
+            wrapped = types.SimpleNamespace(**vars(fused.k))
+            for name in (n for n in FUSED_KERNELS if hasattr(fused.k, n)):
+                setattr(wrapped, name, recorded(getattr(fused.k, name), f"appo::numba_{name}"))
+            fused.k = wrapped
     prompts = prompt_pool(args, 64)[: args.rows]
     _decode_warm = profiled_call(eng, prompts, 2)  # noqa: F841 - first calls compile/allocate
     one, _, r1 = profiled_call(eng, prompts, 1)

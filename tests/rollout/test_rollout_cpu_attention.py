@@ -64,7 +64,7 @@ def additive_mask(lo: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 19])  # 19: row blocks of a unit, one partial
 def test_attend_equals_decode_attention_with_left_padding(k, heads, kv_heads, hd, rows):
     gen = torch.Generator().manual_seed(heads * 100 + rows)
     length, layers, layer = 70, 2, 1  # 70: two full online-softmax blocks and a partial one
@@ -83,7 +83,7 @@ def test_attend_equals_decode_attention_with_left_padding(k, heads, kv_heads, hd
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
-@pytest.mark.parametrize("rows,prefix", [(2, 5), (4, 64), (8, 33)])
+@pytest.mark.parametrize("rows,prefix", [(2, 5), (4, 64), (8, 33), (19, 70)])
 def test_attend_with_a_shared_prefix_equals_cascade_attention(k, heads, kv_heads, hd, rows,
                                                               prefix):
     gen = torch.Generator().manual_seed(heads + rows + prefix)
@@ -299,19 +299,26 @@ def test_engine_decode_through_the_kernels_matches_the_torch_path(model_type, mo
     assert gap < 1e-4
 
 
-def test_attention_split_over_kv_heads_and_threads_is_bit_identical(k):
+@pytest.mark.parametrize("rows", [5, 19])
+def test_attention_split_over_units_and_threads_is_bit_identical(k, rows):
+    # 19 rows: two full row blocks and a partial one per KV head (9 units).
     from appo.rollout.cpu import split
 
-    gen = torch.Generator().manual_seed(11)
-    rows, heads, kv_heads, hd, prefix, length = 5, 9, 3, 64, 40, 90
+    gen = torch.Generator().manual_seed(11 + rows)
+    heads, kv_heads, hd, prefix, length = 9, 3, 64, 40, 90
     start = torch.randint(0, 10, (rows,), generator=gen) + prefix
     buf, _ = batch_buffer(gen, 2, rows, kv_heads, length + 2, hd, start, length)
     buf, q = buf.float().numpy(), torch.randn(rows, heads, hd, generator=gen).numpy()
     shared = torch.randn(2, kv_heads, prefix, hd, generator=gen).numpy()
-    args = (q, buf, 1, start.numpy(), length, shared[0], shared[1], hd**-0.5)
     whole = np.empty((rows, heads, hd), np.float32)
-    k.attend(*args, whole)
-    for threads in (1, 2, 3):
+    k.attend(q, buf, 1, start.numpy(), length, shared[0], shared[1], hd**-0.5, whole)
+    args = (q, buf, 1, start.numpy(), length, shared[0], k.transpose_values(shared[1]),
+            hd**-0.5)
+    n = k.units(rows, kv_heads)
+    assert n == kv_heads * -(-rows // k.ROWS_PER_UNIT)
+    one_each = tuple((u, u + 1) for u in range(n))
+    uneven = ((0, 1), (1, n - 1), (n - 1, n))
+    for threads, chunks in ((1, one_each), (2, one_each), (3, one_each), (2, uneven)):
         out = np.full((rows, heads, hd), np.nan, np.float32)
-        split.run_chunks(k.attend_heads, (*args, out), ((0, 1), (1, 2), (2, 3)), threads)
-        assert np.array_equal(out, whole)  # every head written, to the bit
+        split.run_chunks(k.attend_units, (*args, out), chunks, threads)
+        assert np.array_equal(out, whole)  # every unit written, to the bit

@@ -78,19 +78,20 @@ def test_the_numpy_entry_point_equals_linear_to_the_bit(name, dtype):
 
 
 @needs_numba
-@pytest.mark.parametrize("wide", [False, True], ids=["row-at-a-time", "wide"])
+@pytest.mark.parametrize("kind", ["row", "wide", "tile"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 13])
-def test_cpu_kernel_linear_equals_f_linear(rows, wide):
-    # Row counts cover the row-at-a-time kernel's blocks of 8, of 4 and single rows and the
-    # wide kernel's row pairs and odd last row; the weight height (37 = 4 x 8 + 5) leaves
-    # a remainder after the wide kernel's blocks of 8 weight rows; K is not a multiple of
-    # the SIMD lanes.
+def test_cpu_kernel_linear_equals_f_linear(rows, kind):
+    # Row counts cover the row-at-a-time kernel's blocks of 8, of 4 and single rows, the
+    # wide kernel's row pairs and odd last row and the tile kernel's blocks of 4 input rows
+    # and their remainder; the weight height (37 = 4 x 8 + 5 = 12 x 3 + 1) leaves a
+    # remainder after the wide kernel's blocks of 8 and the tile kernel's blocks of 3
+    # weight rows; K is not a multiple of the SIMD lanes.
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(37, 29, generator=gen, dtype=torch.float64)
     bias = torch.randn(37, generator=gen, dtype=torch.float64)
     x = torch.randn(rows, 1, 29, generator=gen, dtype=torch.float64)
     for b in (None, bias):
-        got = kernels.linear(x, weight, b, wide=wide)
+        got = kernels.linear(x, weight, b, kind)
         assert got.shape == (rows, 1, 37)
         torch.testing.assert_close(got, F.linear(x, weight, b), rtol=0, atol=1e-12)
 

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba is not inst
 
 @pytest.fixture
 def split_everything(monkeypatch):
-    """Thresholds that split even the tiny test model's matrices."""
+    """Thresholds that split even the tiny test model's matrices and attention."""
+    from appo.rollout.cpu import fused
+
+    monkeypatch.setattr(fused, "ATTENTION_SPLIT_MIN", 0)
     monkeypatch.setattr(split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(split, "CHUNK_MIN_BYTES", 1)
     chunks = split.column_chunks  # a test may replace it with a spy
@@ -51,25 +54,25 @@ def test_chunks_cover_every_column_once_in_aligned_pieces(columns, threads):
         assert max(blocks) - min(blocks) <= 1  # balanced
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["row-at-a-time", "wide"])
+@pytest.mark.parametrize("kind", ["row", "wide", "tile"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13])
-def test_split_results_are_bit_identical_to_one_call_over_all_columns(rows, wide):
-    # 1003 weight rows: not a multiple of the wide kernel's 8 (a remainder in the last
-    # chunk); K=257 is not a multiple of the SIMD lanes. Big enough to be split.
+def test_split_results_are_bit_identical_to_one_call_over_all_columns(rows, kind):
+    # 1003 weight rows: not a multiple of the wide kernel's 8 nor of the tile kernel's 3
+    # (a remainder in the last chunk); K=257 is not a multiple of the SIMD lanes. Big
+    # enough to be split.
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(1003, 257, generator=gen)
     x = torch.randn(rows, 257, generator=gen)
     assert len(split.column_chunks(1003, 257 * 4, 2)) > 2
-    kernels.linear(x[:1], weight[:8], wide=wide)  # build the kernel
-    kernel = kernels._wide_kernel if wide else kernels._kernel
+    kernel = kernels.kernel_for(kind)
     whole = np.empty((rows, 1003), np.float32)
     kernel(x.numpy(), weight.numpy(), whole, 0, 1003)  # the unsplit kernel, one call
     for threads in (1, 2, 3, 5):
-        got = kernels.linear(x, weight, wide=wide, threads=threads)
+        got = kernels.linear(x, weight, kind=kind, threads=threads)
         assert np.array_equal(got.numpy(), whole), threads
     # float64: the split product is F.linear up to summation order.
     w64, x64 = weight.double(), x.double()
-    torch.testing.assert_close(kernels.linear(x64, w64, wide=wide, threads=3),
+    torch.testing.assert_close(kernels.linear(x64, w64, kind=kind, threads=3),
                                F.linear(x64, w64), rtol=0, atol=1e-12)
 
 
@@ -168,7 +171,7 @@ def test_a_forked_child_gets_fresh_helpers():
         os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("name", ["numba", "numba_wide"])
+@pytest.mark.parametrize("name", ["numba", "numba_wide", "numba_tile"])
 def test_engine_decode_is_bit_identical_with_split_kernels(name, monkeypatch,
                                                            split_everything):
     from rollout_fakes import Recorder

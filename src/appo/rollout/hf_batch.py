@@ -199,12 +199,14 @@ class DecodeBatch:
     def step_inputs(self, pad_id: int) -> tuple[Tensor, Tensor]:
         """Token ids and positions `[slots, 1]` of the next decode step: each active row's
         pending token; holes get padding (their output is never read)."""
-        ids = torch.full((self.size, 1), pad_id, dtype=torch.long)
-        pos = torch.zeros((self.size, 1), dtype=torch.long)
+        # Filled as Python lists, then one tensor each: a tensor item assignment per row
+        # is several dispatched op calls (the step's largest per-row cost at 32 rows).
+        ids, pos = [pad_id] * self.size, [0] * self.size
         for i in self.sampling():
-            ids[self.slot[i], 0] = self.rows[i].ids[-1]
-            pos[self.slot[i], 0] = self.cached[i]
-        return ids, pos
+            ids[self.slot[i]] = self.rows[i].ids[-1]
+            pos[self.slot[i]] = self.cached[i]
+        return (torch.tensor(ids, dtype=torch.long).reshape(self.size, 1),
+                torch.tensor(pos, dtype=torch.long).reshape(self.size, 1))
 
     def cache(self) -> BatchCache:
         return BatchCache(self.buf, self.length)

@@ -4,8 +4,9 @@
   shared-prefix decode attention); the engine uses it on any device.
 - `matmuls`: which matmuls a CPU decode step runs, by a fixed rule on the row count and the
   CPU (`APPO_DECODE_MATMUL` overrides it).
-- `kernels`: the numba matmul kernels, from the optional extra `appo[cpu-kernels]`; without
-  numba decode steps use torch, only slower.
+- `kernels`: the numba matmul kernels (a row-at-a-time, an AVX-512 wide and a register-tiled
+  kernel for many rows), from the optional extra `appo[cpu-kernels]`; without numba decode
+  steps use torch, only slower.
 - `split`: runs a kernel over every thread the run is given (output columns in chunks),
   bit-identical to one thread.
 - `fused`: a decode step with the work between the matmuls in numba kernels (`attention`:

@@ -8,13 +8,16 @@ is one kernel call on numpy views of the same memory:
 - `rope_write`: the optional per-head RMSNorm (qwen3's q/k norms), rotary on the queries
   and the new keys, and the write of the new keys/values into the batch buffer
   (`[layers, 2, rows, kv_heads, capacity, head_dim]`, `hf_batch`) at the step's column.
-- `attend` (`attend_heads`: the KV heads `lo:hi`, for a split over threads): decode
-  attention for one layer, one query per row. Grouped-query aware: the
-  query heads of one key/value head are handled together, so each cached key and value is
-  read once per KV head (and, under a shared prefix, once for all rows); an online softmax
-  over blocks of `BLOCK` columns (flash-decoding), so no score matrix is materialised.
-  Columns outside a row's `[first, last]` are never read (no mask tensor: left padding and
-  unwritten columns are skipped, not multiplied by zero).
+- `attend` (`attend_units`: the work units `lo:hi`, for a split over threads; a unit is
+  one KV head x `ROWS_PER_UNIT` rows): decode attention for one layer, one query per row.
+  Grouped-query aware: the query heads of one key/value head are handled together. A
+  shared prefix (cascade) is two small register-blocked matmuls over every query of the
+  unit (`_dots`: scores, then probabilities x the prefix's values, transposed once per
+  decode call by `transpose_values`), so each prefix key and value is read once per unit;
+  each row's own columns follow as an online softmax over blocks of `BLOCK` columns
+  (flash-decoding) on top of the prefix's max, sum and output. Columns outside a row's
+  `[first, last]` are never read (no mask tensor: left padding and unwritten columns are
+  skipped, not multiplied by zero).
 - `rms_norm`, `add_rms_norm` (the residual add fused with the next norm), `silu_mul`
   (SiLU(gate) x up).
 
@@ -31,6 +34,9 @@ import numba
 import numpy as np
 
 BLOCK = 32  # columns per online-softmax block: a block of keys/values stays in L1
+# Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
+# prefix's matmuls, few enough that a 2-core split has units to balance at 8+ rows.
+ROWS_PER_UNIT = 8
 # Reassociation and contraction only: `attend` starts each running max at -inf.
 FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
 # Module-level kernels (numba resolves the helpers they call as globals, so the on-disk
@@ -134,97 +140,144 @@ def _block(q, keys, values, c0, n, scale, scores, bits, m, s, acc):  # pragma: n
     s[0] = total
 
 @jit
-def _shared_block(qt, keys, values, c0, n, scale, scores, bits, m, s, acc, top):  # pragma: no cover
-    # `_block` for the many queries that read the shared prefix (every row's query heads
-    # of one KV head, `qt` [d, nq] transposed): the scores are computed with the queries
-    # as the vector lanes (each key element broadcast once), so the block's keys and
-    # values are read once for all of them.
-    d, nq = qt.shape
-    sc = scores[: n * nq].reshape((n, nq))
-    for j in range(n):
-        for qi in range(nq):
-            sc[j, qi] = 0.0
-        for i in range(d):
-            kv = keys[c0 + j, i]
-            for qi in range(nq):
-                sc[j, qi] += qt[i, qi] * kv
-    top[:] = m
-    for j in range(n):
-        for qi in range(nq):
-            sc[j, qi] *= scale
-            top[qi] = max(top[qi], sc[j, qi])
-    for j in range(n):
-        for qi in range(nq):
-            sc[j, qi] -= top[qi]
-    _exp_nonpositive(scores, n * nq, bits)
-    for qi in range(nq):
-        alpha = np.exp(m[qi] - top[qi])
-        total = s[qi] * alpha
-        for i in range(d):
-            acc[qi, i] *= alpha
-        for j in range(n):
-            p = sc[j, qi]
-            total += p
-            for i in range(d):
-                acc[qi, i] += p * values[c0 + j, i]
-        m[qi] = top[qi]
-        s[qi] = total
+def _dots(a, b, out):  # pragma: no cover - numba
+    # out[m, n] = sum_k a[m, k] * b[n, k] (a [M, K], b [N, K], both rows contiguous): three
+    # rows of b against four of a, 12 accumulators (AVX2's 16 registers), the k loop
+    # vectorised; the same blocking for every call, so an output's sum never depends on
+    # which rows were computed with it.
+    m_rows, k_len = a.shape
+    n_rows = b.shape[0]
+    zero = a.dtype.type(0.0)
+    n3 = n_rows - n_rows % 3
+    m4 = m_rows - m_rows % 4
+    for n in range(0, n3, 3):
+        for m in range(0, m4, 4):
+            a0 = a1 = a2 = b0 = b1 = b2 = c0 = c1 = c2 = d0 = d1 = d2 = zero
+            for k in range(k_len):
+                w0, w1, w2 = b[n, k], b[n + 1, k], b[n + 2, k]
+                xa, xb, xc, xd = a[m, k], a[m + 1, k], a[m + 2, k], a[m + 3, k]
+                a0 += xa * w0
+                a1 += xa * w1
+                a2 += xa * w2
+                b0 += xb * w0
+                b1 += xb * w1
+                b2 += xb * w2
+                c0 += xc * w0
+                c1 += xc * w1
+                c2 += xc * w2
+                d0 += xd * w0
+                d1 += xd * w1
+                d2 += xd * w2
+            out[m, n], out[m, n + 1], out[m, n + 2] = a0, a1, a2
+            out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2] = b0, b1, b2
+            out[m + 2, n], out[m + 2, n + 1], out[m + 2, n + 2] = c0, c1, c2
+            out[m + 3, n], out[m + 3, n + 1], out[m + 3, n + 2] = d0, d1, d2
+        for m in range(m4, m_rows):
+            a0 = a1 = a2 = zero
+            for k in range(k_len):
+                xa = a[m, k]
+                a0 += xa * b[n, k]
+                a1 += xa * b[n + 1, k]
+                a2 += xa * b[n + 2, k]
+            out[m, n], out[m, n + 1], out[m, n + 2] = a0, a1, a2
+    for n in range(n3, n_rows):
+        for m in range(m_rows):
+            a0 = zero
+            for k in range(k_len):
+                a0 += a[m, k] * b[n, k]
+            out[m, n] = a0
 
 
 @jit
-def attend_heads(q, buf, layer, first, last, pk, pv, scale, out, lo, hi):  # pragma: no cover
-    # q [B, H, d] -> out [B, H, d] for the query heads of KV heads lo:hi. Row b attends to
-    # the shared prefix pk/pv [KV, P, d] (P may be 0) and to its own columns
-    # first[b]..last of the buffer. KV heads share nothing, so any split of 0:KV over
-    # calls (threads) computes every output with the same code: bit-identical.
+def transpose_values(pv):  # pragma: no cover - numba
+    # [KV, P, d] -> [KV, d, P]: the shared prefix's values with the columns contiguous, so
+    # `probs @ values` is a `_dots` (made once per decode call, not per step).
+    kv_heads, prefix, d = pv.shape
+    out = np.empty((kv_heads, d, prefix), pv.dtype)
+    for g in range(kv_heads):
+        for j in range(prefix):
+            for i in range(d):
+                out[g, i, j] = pv[g, j, i]
+    return out
+
+
+def units(rows: int, kv_heads: int) -> int:
+    """How many work units `attend_units` splits a layer's attention into."""
+    return kv_heads * -(-rows // ROWS_PER_UNIT)
+
+
+@jit
+def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pragma: no cover
+    # q [B, H, d] -> out [B, H, d] for the work units lo:hi: unit u is KV head
+    # u // blocks and rows ROWS_PER_UNIT * (u % blocks) onwards. Row b attends to the
+    # shared prefix pk [KV, P, d] / pvt [KV, d, P] (transposed values; P may be 0) and to
+    # its own columns first[b]..last of the buffer. Units share nothing and each computes
+    # its outputs the same way whatever else runs, so any split of the units over calls
+    # (threads) is bit-identical.
     rows, heads, d = q.shape
     kv_heads = buf.shape[3]
     group = heads // kv_heads
     prefix = pk.shape[1]
-    m = np.full((rows, heads, 1), -np.inf, q.dtype)
-    s = np.zeros((rows, heads, 1), q.dtype)
-    nq = rows * group
-    scores = np.empty(BLOCK * max(nq, 1), q.dtype)
-    bits = np.empty(BLOCK * max(nq, 1), np.int32)
-    qt = np.empty((d, nq), q.dtype)
-    mg, sg, top = np.empty(nq, q.dtype), np.empty(nq, q.dtype), np.empty(nq, q.dtype)
+    blocks = -(-rows // ROWS_PER_UNIT)
+    nq = ROWS_PER_UNIT * group
+    qa = np.empty((nq, d), q.dtype)
+    # Scratch with contiguous rows (numba vectorises `_dots` only over C-layout slices).
+    ps = np.empty((nq, prefix), q.dtype)
+    scores = np.empty(BLOCK, q.dtype)
     acc = np.empty((nq, d), q.dtype)
-    for g in range(lo, hi):
-        # The shared prefix: each block of keys/values read once for every row's queries.
-        for b in range(rows):
+    bits = np.empty(max(prefix, BLOCK), np.int32)
+    m = np.empty((nq, 1), q.dtype)
+    s = np.empty((nq, 1), q.dtype)
+    for u in range(lo, hi):
+        g, r0 = u // blocks, ROWS_PER_UNIT * (u % blocks)
+        r1 = min(rows, r0 + ROWS_PER_UNIT)
+        n = (r1 - r0) * group
+        # The shared prefix as two small matmuls over every query of the unit: scores,
+        # then (after the softmax's exp) probabilities times the values.
+        for b in range(r0, r1):
             for j in range(group):
-                for i in range(d):
-                    qt[i, b * group + j] = q[b, g * group + j, i]
-        mg[:] = -np.inf
-        sg[:] = 0.0
-        acc[:] = 0.0
-        for c0 in range(0, prefix, BLOCK):
-            _shared_block(qt, pk[g], pv[g], c0, min(BLOCK, prefix - c0), scale, scores,
-                          bits, mg, sg, acc, top)
-        for b in range(rows):
-            for j in range(group):
-                h = g * group + j
-                m[b, h, 0], s[b, h, 0] = mg[b * group + j], sg[b * group + j]
-                out[b, h] = acc[b * group + j]
-        # Each row's own columns: each block read once for the query heads of this KV head.
-        for b in range(rows):
+                qa[(b - r0) * group + j] = q[b, g * group + j]
+        if prefix > 0:
+            _dots(qa[:n], pk[g], ps[:n])
+            for qi in range(n):
+                row = ps[qi]
+                for j in range(prefix):
+                    row[j] *= scale
+                top = row[0]
+                for j in range(1, prefix):
+                    top = max(top, row[j])
+                for j in range(prefix):
+                    row[j] -= top
+                _exp_nonpositive(row, prefix, bits)
+                total = q.dtype.type(0.0)
+                for j in range(prefix):
+                    total += row[j]
+                m[qi, 0], s[qi, 0] = top, total
+            _dots(ps[:n], pvt[g], acc[:n])
+        else:
+            m[:n] = -np.inf
+            s[:n] = 0.0
+            acc[:n] = 0.0
+        # Each row's own columns, online softmax in blocks on top of the prefix's state.
+        for b in range(r0, r1):
             keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
-            for c0 in range(first[b], last + 1, BLOCK):
-                n = min(BLOCK, last + 1 - c0)
-                for h in range(g * group, (g + 1) * group):
-                    _block(q[b, h], keys, values, c0, n, scale, scores, bits, m[b, h],
-                           s[b, h], out[b, h])
-        for b in range(rows):
-            for h in range(g * group, (g + 1) * group):
-                inv = 1.0 / s[b, h, 0]
+            for j in range(group):
+                qi = (b - r0) * group + j
+                for c0 in range(first[b], last + 1, BLOCK):
+                    _block(qa[qi], keys, values, c0, min(BLOCK, last + 1 - c0), scale,
+                           scores, bits, m[qi], s[qi], acc[qi])
+                inv = 1.0 / s[qi, 0]
+                h = g * group + j
                 for i in range(d):
-                    out[b, h, i] *= inv
+                    out[b, h, i] = acc[qi, i] * inv
 
 
 @jit
 def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover - numba
-    # Every KV head in one call.
-    attend_heads(q, buf, layer, first, last, pk, pv, scale, out, 0, buf.shape[3])
+    # Every unit in one call.
+    rows, kv_heads = q.shape[0], buf.shape[3]
+    attend_units(q, buf, layer, first, last, pk, transpose_values(pv), scale, out, 0,
+                 kv_heads * -(-rows // ROWS_PER_UNIT))
 
 
 @jit

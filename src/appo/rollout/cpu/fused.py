@@ -6,7 +6,11 @@ and, between them, `attention`'s kernels: RMSNorm, rotary + cache write, one att
 kernel, residual add fused with the next norm, SiLU x up. What the torch path rebuilt in
 every layer is done once per step: rotary's cos/sin, the numpy views of the batch buffer
 and of the step's work arrays, each row's first visible column (instead of an additive
-mask). The hidden state stays in one numpy array updated in place.
+mask). Once per decode call (per shared prefix): the prefix's values transposed for the
+attention kernel's matmul. The hidden state stays in one numpy array updated in place.
+Attention is split over the run's threads in work units (one KV head x a block of rows,
+`attention.units`), so both cores work even where the model has an odd number of KV
+heads; the units share nothing, so the split does not change a bit of the result.
 
 The matmuls go through the implementation's `linear` on tensors (so a test's spy on it
 still sees every call), except where the implementation has a numpy entry point
@@ -14,6 +18,8 @@ still sees every call), except where the implementation has a numpy entry point
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -40,6 +46,23 @@ class FusedStep:
         self.lean = lean
         self.k = attention
         self._norms: tuple | None = None
+        # (weak reference to the shared prefix's keys/values, its values transposed)
+        self._pvt: tuple | None = None
+
+    def _prefix_values(self, prefix_kv: Tensor, pkv: np.ndarray) -> list[np.ndarray]:
+        """Per layer, the shared prefix's values transposed (`[KV, d, P]`), made once per
+        shared prefix (one per decode call) and dropped with it."""
+        cached = self._pvt
+        if cached is not None and cached[0]() is prefix_kv:
+            return cached[1]
+        pvt = [self.k.transpose_values(pkv[layer, 1]) for layer in range(pkv.shape[0])]
+
+        def drop(ref: weakref.ref) -> None:  # the prefix is gone: free its copy too
+            if self._pvt is not None and self._pvt[0] is ref:
+                self._pvt = None
+
+        self._pvt = (weakref.ref(prefix_kv, drop), pvt)
+        return pvt
 
     @staticmethod
     def applies(input_ids: Tensor, dtype: torch.dtype) -> bool:
@@ -75,23 +98,26 @@ class FusedStep:
         buf = cache.buf.numpy()
         col = int(cache.length)
         if prefix_kv is None:
-            pkv, first = None, start
+            pkv, pvt, first = None, None, start
         else:
             pkv, first = prefix_kv.numpy(), start + prefix_kv.shape[3]
+            pvt = self._prefix_values(prefix_kv, pkv)
         first_np = first.numpy().astype(np.int64)
         empty_kv = np.empty((lean.kv_heads, 0, hd), np.float32)
+        empty_kv_t = np.empty((lean.kv_heads, hd, 0), np.float32)
         x = np.empty_like(h)
         q = np.empty((rows, lean.heads, hd), np.float32)
         att = np.empty((rows, lean.heads * hd), np.float32)
         x_t, att_t = torch.from_numpy(x), torch.from_numpy(att)
         att3 = att.reshape(rows, lean.heads, hd)
-        # Attention over the run's threads, one KV head per chunk, when the step's
-        # attention is large enough to be worth a helper's wake-up.
+        # Attention over the run's threads, one work unit (KV head x row block) per chunk,
+        # when the step's attention is large enough to be worth a helper's wake-up.
         threads = torch.get_num_threads()
         work = rows * lean.heads * (col + 1 - int(first.min())
                                     + (0 if prefix_kv is None else prefix_kv.shape[3]))
-        heads = tuple((g, g + 1) for g in range(lean.kv_heads)) if (
-            threads > 1 and work >= ATTENTION_SPLIT_MIN) else ((0, lean.kv_heads),)
+        n_units = k.units(rows, lean.kv_heads)
+        units = tuple((u, u + 1) for u in range(n_units)) if (
+            threads > 1 and work >= ATTENTION_SPLIT_MIN) else ((0, n_units),)
         act: np.ndarray | None = None
         norms = self._layer_norms()
         numpy_linear = impl.numpy_linear
@@ -106,9 +132,9 @@ class FusedStep:
             in_norm, post_norm, q_norm, k_norm = norms[idx]
             qkv = linear(x, x_t, lw.qkv, lw.qkv_bias)
             k.rope_write(qkv, cos_np, sin_np, q_norm, k_norm, eps, buf, idx, col, q)
-            pk, pv = (empty_kv, empty_kv) if pkv is None else (pkv[idx, 0], pkv[idx, 1])
-            split.run_chunks(k.attend_heads, (q, buf, idx, first_np, col, pk, pv, lean.scale,
-                                              att3), heads, threads)
+            pk, pv = (empty_kv, empty_kv_t) if pkv is None else (pkv[idx, 0], pvt[idx])
+            split.run_chunks(k.attend_units, (q, buf, idx, first_np, col, pk, pv, lean.scale,
+                                              att3), units, threads)
             k.add_rms_norm(h, linear(att, att_t, lw.o, lw.o_bias), post_norm, eps, x)
             gate_up = linear(x, x_t, lw.gate_up, lw.gate_up_bias)
             if act is None:

@@ -10,6 +10,10 @@ LLVM vectorises the dot products.
 - `weight_blocks_times_row_pairs` ("numba_wide"): eight weight rows against two input rows,
   16 accumulators. It needs 32 vector registers (AVX-512) to pay off: with AVX-512 the first
   kernel is load-bound past a few rows, reloading every input row for every weight row.
+- `weight_triples_times_row_quads` ("numba_tile"): three weight rows against four input
+  rows, 12 accumulators, 7 loads per 12 multiply-adds: it fits AVX2's 16 registers. At
+  many rows the first kernel rereads every input row (too big for L1 past a few rows) for
+  every weight row; this one rereads them a third as often.
 
 Both compute the output columns `lo:hi` of one call; `linear` splits the columns over the
 run's threads (`appo.rollout.cpu.split`), bit-identical to one call over all of them.
@@ -40,8 +44,6 @@ try:  # optional extra: the lean decoder falls back to torch without it
 except ImportError:  # pragma: no cover - exercised on installs without numba
     numba = None
 
-_kernel = None
-_wide_kernel = None
 
 
 def available() -> bool:
@@ -147,6 +149,62 @@ def _build_wide():
     return weight_blocks_times_row_pairs
 
 
+def _build_tile():
+    @numba.njit(fastmath=True, boundscheck=False, nogil=True, cache=True)
+    def weight_triples_times_row_quads(x, w, out, lo, hi):  # pragma: no cover - numba
+        # Three weight rows against four input rows (12 accumulators; then three weight
+        # rows against single input rows, then single weight rows). Output columns lo:hi;
+        # with lo a multiple of 3 (`split.ALIGN`) the blocks of 3 fall where a call over
+        # all columns puts them, so each output runs the same code.
+        m_rows, k_len = x.shape
+        n3 = hi - (hi - lo) % 3
+        m4 = m_rows - m_rows % 4
+        for n in range(lo, n3, 3):
+            for m in range(0, m4, 4):
+                a0 = a1 = a2 = b0 = b1 = b2 = np.float32(0.0)
+                c0 = c1 = c2 = d0 = d1 = d2 = np.float32(0.0)
+                for k in range(k_len):
+                    w0, w1, w2 = w[n, k], w[n + 1, k], w[n + 2, k]
+                    xa, xb, xc, xd = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
+                    a0 += xa * w0
+                    a1 += xa * w1
+                    a2 += xa * w2
+                    b0 += xb * w0
+                    b1 += xb * w1
+                    b2 += xb * w2
+                    c0 += xc * w0
+                    c1 += xc * w1
+                    c2 += xc * w2
+                    d0 += xd * w0
+                    d1 += xd * w1
+                    d2 += xd * w2
+                out[m, n], out[m, n + 1], out[m, n + 2] = a0, a1, a2
+                out[m + 1, n], out[m + 1, n + 1], out[m + 1, n + 2] = b0, b1, b2
+                out[m + 2, n], out[m + 2, n + 1], out[m + 2, n + 2] = c0, c1, c2
+                out[m + 3, n], out[m + 3, n + 1], out[m + 3, n + 2] = d0, d1, d2
+            for m in range(m4, m_rows):
+                a0 = a1 = a2 = np.float32(0.0)
+                for k in range(k_len):
+                    xa = x[m, k]
+                    a0 += xa * w[n, k]
+                    a1 += xa * w[n + 1, k]
+                    a2 += xa * w[n + 2, k]
+                out[m, n], out[m, n + 1], out[m, n + 2] = a0, a1, a2
+        for n in range(n3, hi):
+            for m in range(m_rows):
+                a0 = np.float32(0.0)
+                for k in range(k_len):
+                    a0 += x[m, k] * w[n, k]
+                out[m, n] = a0
+
+    return weight_triples_times_row_quads
+
+
+# Kernel kind -> its builder (numba compiles on the first call of each).
+BUILDERS = {"row": _build, "wide": _build_wide, "tile": _build_tile}
+_built: dict[str, object] = {}
+
+
 @functools.cache
 def wide_registers() -> bool:
     """Whether the CPU numba compiles for has AVX-512 (32 vector registers); False
@@ -178,39 +236,36 @@ _arrays: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           wide: bool = False, threads: int | None = None) -> Tensor:
+           kind: str = "row", threads: int | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
-    float64 in tests); returns `[..., N]`, a new contiguous tensor. `wide` picks the
-    8-weight-rows x 2-input-rows kernel (worth it only with AVX-512's 32 registers).
+    float64 in tests); returns `[..., N]`, a new contiguous tensor. `kind` picks the kernel
+    (`BUILDERS`: "row", "wide" = 8 weight rows x 2 input rows, worth it only with AVX-512's
+    32 registers, "tile" = 3 weight rows x 4 input rows, for many rows).
     `threads` (default: torch's thread count) split the output columns
     (`appo.rollout.cpu.split`); the result is bit-identical for any count."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.from_numpy(linear_numpy(
-        rows.detach().numpy() if rows.requires_grad else rows.numpy(), weight, None, wide,
+        rows.detach().numpy() if rows.requires_grad else rows.numpy(), weight, None, kind,
         threads))
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _kernel_for(wide: bool):
-    global _kernel, _wide_kernel
-    if wide:
-        if _wide_kernel is None:
-            _wide_kernel = _build_wide()
-        return _wide_kernel
-    if _kernel is None:
-        _kernel = _build()
-    return _kernel
+def kernel_for(kind: str):
+    """The compiled kernel of `kind` (`BUILDERS`), built once."""
+    if kind not in _built:
+        _built[kind] = BUILDERS[kind]()
+    return _built[kind]
 
 
 def linear_numpy(x: np.ndarray, weight: Tensor, bias: Tensor | None = None,
-                 wide: bool = False, threads: int | None = None) -> np.ndarray:
+                 kind: str = "row", threads: int | None = None) -> np.ndarray:
     """`linear` on a contiguous `[M, K]` numpy array, returning a new `[M, N]` numpy array:
     the decode step of `appo.rollout.cpu.fused` keeps its activations in numpy, and each
     tensor <-> numpy conversion is several dispatched op calls."""
     # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
     out = np.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    split.run(_kernel_for(wide), x, _weight_array(weight), out,
+    split.run(kernel_for(kind), x, _weight_array(weight), out,
               torch.get_num_threads() if threads is None else threads)
     if bias is not None:
         out += _weight_array(bias)

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model.
 Four implementations compute it (`IMPLEMENTATIONS`, all `F.linear` up to summation order):
-torch (MKL; the LM head in row blocks), torch as `(W @ x^T)^T`, and the two numba kernels of
+torch (MKL; the LM head in row blocks), torch as `(W @ x^T)^T`, and the three numba kernels of
 `appo.rollout.cpu.kernels`. Which is fastest depends on the CPU and on the row count, so the
 default is a `MatmulRule` (row count -> implementation) picked by `default_rule` from the
 CPU's vendor, its AVX-512 support and whether the kernels are installed; each rule was read
@@ -57,9 +57,9 @@ def head_in_blocks(x: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
-def _numba_linear(wide: bool):
+def _numba_linear(kind: str):
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return kernels.linear(x, weight, bias, wide=wide)
+        return kernels.linear(x, weight, bias, kind)
 
     return linear
 
@@ -83,9 +83,9 @@ def _torch_numpy_linear(weight_first: bool):
     return linear
 
 
-def _numba_numpy_linear(wide: bool):
+def _numba_numpy_linear(kind: str):
     def linear(x, weight: Tensor, bias: Tensor | None = None):
-        return kernels.linear_numpy(x, weight, bias, wide=wide)
+        return kernels.linear_numpy(x, weight, bias, kind)
 
     return linear
 
@@ -104,17 +104,22 @@ class Implementation:
     numpy_linear: Callable | None = None
 
 
-_NUMBA = _numba_linear(False)
-_NUMBA_WIDE = _numba_linear(True)
+# The numba implementations and their kernels (`kernels.BUILDERS`).
+KERNEL_KINDS = {"numba": "row", "numba_wide": "wide", "numba_tile": "tile"}
+
+
+def _numba(name: str, kind: str) -> Implementation:
+    linear = _numba_linear(kind)
+    return Implementation(name, linear, linear, kernel=True,
+                          numpy_linear=_numba_numpy_linear(kind))
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "torch": Implementation("torch", F.linear, head_in_blocks,
                             numpy_linear=_torch_numpy_linear(False)),
     "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
                                          head_in_blocks, numpy_linear=_torch_numpy_linear(True)),
-    "numba": Implementation("numba", _NUMBA, _NUMBA, kernel=True,
-                            numpy_linear=_numba_numpy_linear(False)),
-    "numba_wide": Implementation("numba_wide", _NUMBA_WIDE, _NUMBA_WIDE, kernel=True,
-                                 numpy_linear=_numba_numpy_linear(True)),
+    **{name: _numba(name, kind) for name, kind in KERNEL_KINDS.items()},
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
 
@@ -171,8 +176,9 @@ RULES: dict[str, MatmulRule] = {
     # AMD EPYC Zen 4: the row kernel up to 7 rows, the wide one from 8 (on a Zen 5 the
     # wide one led from 6 rows, by little).
     "amd-avx512": MatmulRule.parse("1:numba,8:numba_wide"),
-    # AMD EPYC Zen 3: the row kernel up to 12 rows; from 16 rows it ties MKL.
-    "amd-avx2": MatmulRule.parse("1:numba,16:torch"),
+    # AMD EPYC Zen 3: the row kernel up to 12 rows, the tile kernel from 16 (2 threads:
+    # MKL's threaded GEMM at 16-32 rows was slower, and far slower on a busy machine).
+    "amd-avx2": MatmulRule.parse("1:numba,16:numba_tile"),
     # Intel Xeon (Emerald Rapids): MKL at 1-3 rows and from 16 rows up, the wide kernel
     # in between.
     "intel-avx512": MatmulRule.parse("1:torch,4:numba_wide,16:torch"),
