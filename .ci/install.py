@@ -56,6 +56,10 @@ def uv_command(python: str, verb: str, args: list[str]) -> tuple[list[str], dict
         # pip takes the best version across all indexes; uv's default stops at the first
         # index that has the package at all
         cmd += ["--index-strategy", "unsafe-best-match"]
+        # pip compiles every installed module to bytecode; uv does not by default, and where
+        # PYTHONDONTWRITEBYTECODE is set (as on the CI machines) nothing caches it later:
+        # every process (each test's subprocesses) would compile torch and transformers anew
+        cmd.append("--compile-bytecode")
     if "cert" in config:
         env.setdefault("SSL_CERT_FILE", config["cert"][0])
     if "timeout" in config or "default-timeout" in config:

@@ -61,10 +61,12 @@ def test_uv_gets_pips_indexes_constraints_and_certificate(install):
                  ("--constraint", "/etc/pip/constraints.txt"),
                  ("--index-strategy", "unsafe-best-match")]:
         assert pair in pairs, pair
+    assert "--compile-bytecode" in cmd  # as pip: PYTHONDONTWRITEBYTECODE may be set
     assert cmd[-2:] == ["-q", "torch==2.13.0"]
     assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca.crt" and env["UV_HTTP_TIMEOUT"] == "180"
     cmd, _ = install.uv_command("py", "uninstall", ["-q", "-y", "torchvision"])
     assert cmd[-2:] == ["-q", "torchvision"] and "--find-links" not in cmd
+    assert "--compile-bytecode" not in cmd
 
 
 def test_uv_runs_the_install_and_pip_is_not_called(install):
