@@ -35,14 +35,20 @@ install: $(STAMP)
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 PYTEST := $(BIN)/python -m pytest -q $(call XDIST,$(TEST_WORKERS)) --durations=25
+# The numba decode kernels compiled once into their on-disk cache before the workers start
+# (appo/rollout/cpu/warm.py): otherwise every worker compiles them inside its first rollout.
+WARM := $(BIN)/python -m appo.rollout.cpu.warm
 
 test: $(STAMP)
+	$(WARM)
 	$(PYTEST) tests
 
 test-fast: $(STAMP)
+	$(WARM)
 	$(PYTEST) -m "not slow" tests
 
 test-slow: $(STAMP)
+	$(WARM)
 	$(PYTEST) -m "slow" tests
 
 demo: $(STAMP)
