@@ -38,6 +38,8 @@ numba: the hf engine imports it only when the kernels are available
 
 from __future__ import annotations
 
+import ctypes
+
 import numba
 import numpy as np
 import torch
@@ -50,6 +52,16 @@ from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 # could disagree; plain IEEE math keeps them the same sum (and -inf logits well-defined).
 jit = numba.njit(fastmath=False, boundscheck=False, nogil=True, cache=True)
 _NO_SEEN = np.zeros((1, 0), np.bool_)  # no penalty: a row of nothing
+_C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
+            torch.bool: ctypes.c_bool}
+
+
+def _view(t: Tensor) -> np.ndarray:
+    """A numpy view of contiguous CPU tensor `t`'s memory, made without dispatching an op
+    (`Tensor.numpy()` is four op calls: detach, to, resolve_conj, resolve_neg). Only used
+    while `t` is referenced by the caller: the view does not keep it alive."""
+    raw = (_C_TYPES[t.dtype] * t.numel()).from_address(t.data_ptr())
+    return np.ctypeslib.as_array(raw).reshape(tuple(t.shape))
 
 
 @jit
@@ -188,14 +200,17 @@ def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Genera
     float32): the decode loop only reads them as lists."""
     # One array layout (C-contiguous) and one set of argument types: a single compiled
     # signature, which `appo.rollout.cpu.warm` puts into numba's on-disk cache.
-    x = (logits if logits.is_contiguous() else logits.contiguous()).numpy()
+    logits = logits if logits.is_contiguous() else logits.contiguous()
+    x = _view(logits)
     rows, vocab = x.shape
     greedy = params.greedy
     # The torch path's one draw per row (none when greedy), so the stream stays the same.
-    uniforms = (np.zeros(rows) if greedy else torch.rand(
-        (rows, 1), generator=generator, dtype=torch.float64).numpy().reshape(rows))
+    drawn = None if greedy else torch.rand((rows, 1), generator=generator, dtype=torch.float64)
+    uniforms = np.zeros(rows) if drawn is None else _view(drawn).reshape(rows)
     use_seen = seen is not None and params.repetition_penalty != 1.0
-    s = seen.numpy() if use_seen else _NO_SEEN
+    if use_seen and not seen.is_contiguous():
+        seen = seen.contiguous()
+    s = _view(seen) if use_seen else _NO_SEEN
     k = int(params.top_k)
     width = min(max(k if 0 < k < vocab else 0, TOPK_ENTROPY_K), vocab)
     scratch = np.empty((0, vocab) if greedy else (rows, vocab), np.float32)
