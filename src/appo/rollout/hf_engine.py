@@ -425,9 +425,10 @@ class HFEngine(TableRows):
                 tok, lp, ent, ent_top = self._sample_numpy(logits, params, self.generator, seen)
             else:
                 tok, lp, ent, ent_top = sample(logits, params, self.generator, seen)
-            for i, t, logp, h, h_top in zip(act, tok.tolist(), lp.tolist(), ent.tolist(),
+            tokens = tok.tolist()
+            batch.add_tokens(act, tokens)
+            for i, t, logp, h, h_top in zip(act, tokens, lp.tolist(), ent.tolist(),
                                             ent_top.tolist(), strict=True):
-                batch.add_token(i, t)
                 out = outs[i]
                 out.token_ids.append(t)
                 out.logps.append(logp)
