@@ -6,7 +6,7 @@ One engine per run, in this process (`benchmarks/engines.py`'s engine set-up and
 `torch.profiler`; the second minus the first, divided by the extra steps, is one decode step.
 Printed per decode step:
 - every torch op (and each call of appo's numba kernels, recorded as `appo::numba_*`: the
-  matmuls and the fused decode step's kernels) with its call count and its share of the step's self CPU time (shares shift under load; counts do
+  matmuls, the fused decode step's kernels and the sampling kernel) with its call count and its share of the step's self CPU time (shares shift under load; counts do
   not);
 - how the process's CPU time split over its threads during the N-token call
   (`/proc/self/task/*/stat`): whether the step's work runs on one core or on all.
@@ -268,6 +268,8 @@ def main() -> None:
             for name in (n for n in FUSED_KERNELS if hasattr(fused.k, n)):
                 setattr(wrapped, name, recorded(getattr(fused.k, name), f"appo::numba_{name}"))
             fused.k = wrapped
+        if getattr(eng, "_sample_numpy", None) is not None:  # the sampling kernel's call
+            eng._sample_numpy = recorded(eng._sample_numpy, "appo::numba_sample")
     prompts = prompt_pool(args, 64)[: args.rows]
     _decode_warm = profiled_call(eng, prompts, 2)  # noqa: F841 - first calls compile/allocate
     one, _, r1 = profiled_call(eng, prompts, 1)

@@ -15,19 +15,20 @@ from appo.rollout.cpu import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba not installed")
 
 # In a fresh process (nothing compiled or loaded yet): the warm-up, then decodes shaped
-# unlike its own (other row counts, forks, a second call on the same rows, greedy and top-p).
+# unlike its own (other row counts, forks, a second call on the same rows, greedy, top-p,
+# top-k with a repetition penalty).
 # A kernel signature is in a dispatcher once compiled or loaded from the cache, so any
 # signature the later decodes add is one the warm-up left for a worker to compile.
 SCRIPT = textwrap.dedent("""
     import json
     import numba
     from appo.models import load_model
-    from appo.rollout.cpu import attention, kernels, warm
+    from appo.rollout.cpu import attention, kernels, sampling, warm
     from appo.rollout.hf_engine import HFEngine
     from appo.rollout.sampling import SamplingParams
 
     def compiled():
-        found = {name: d for name, d in vars(attention).items()
+        found = {name: d for module in (attention, sampling) for name, d in vars(module).items()
                  if isinstance(d, numba.core.dispatcher.Dispatcher)}
         found.update({"kernels." + kind: d for kind, d in kernels._built.items()})
         return {name: sorted(map(str, d.signatures)) for name, d in found.items()}
@@ -40,6 +41,8 @@ SCRIPT = textwrap.dedent("""
     rows = eng.fork(eng.add_row(tok.encode("Be brief. " * 30 + "Why?")), 6)
     eng.decode(rows, [5, 2, 7, 1, 3, 4], SamplingParams(temperature=0.7, top_p=0.9))
     eng.decode(rows[:2], 3, SamplingParams(temperature=0))
+    eng.decode(rows[2:], 3, SamplingParams(temperature=0.6, top_k=20, top_p=0.95,
+                                           repetition_penalty=1.1))
     many = [eng.add_row(tok.encode(f"n{i}")) for i in range(20)] + [eng.add_row([5] * 40)]
     eng.decode(many, 4, SamplingParams())
     print(json.dumps({"before": before, "after": compiled()}))
@@ -54,6 +57,6 @@ def test_warm_compiles_every_signature_a_rollout_calls():
     before, after = seen["before"], seen["after"]
     # The fused step's kernels and at least one matmul kernel of this machine's rule.
     assert all(before.get(name) for name in ("rope_write", "attend_units", "rms_norm",
-                                             "add_rms_norm", "silu_mul")), before
+                                             "add_rms_norm", "silu_mul", "sample_rows")), before
     assert any(name.startswith("kernels.") and sigs for name, sigs in before.items()), before
     assert after == before  # the later decodes compiled (or loaded) nothing new

@@ -155,11 +155,17 @@ class DecodeBatch:
         return KVBlock.copy_of(self.buf[:, :, s, :, first : first + self.cached[i]])
 
     # ---------------------------------------------------------------- sampling
-    def add_token(self, i: int, token: int) -> None:
-        """Row `i` sampled `token`: it is the row's pending token for the next step."""
-        self.rows[i].ids.append(token)
-        if self.seen is not None:
-            self.seen[self.slot[i], token] = True
+    def add_tokens(self, members: list[int], tokens: list[int]) -> None:
+        """Rows `members` sampled `tokens` (one each): each is its row's pending token for
+        the next step. One indexed write into the repetition-penalty mask for all of them:
+        a tensor item assignment per row is ~6 dispatched op calls (the penalty's largest
+        per-row cost at 32 rows)."""
+        for i, token in zip(members, tokens, strict=True):
+            self.rows[i].ids.append(token)
+        if self.seen is not None and members:
+            device = self.seen.device
+            self.seen[torch.tensor([self.slot[i] for i in members], device=device),
+                      torch.tensor(tokens, device=device)] = True
 
     def stop(self, i: int) -> None:
         self.active[i] = False

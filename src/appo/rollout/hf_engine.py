@@ -23,6 +23,11 @@ Where the speed comes from:
   which beat MKL's small-M float32 GEMM on these CPUs; `cpu_kernel=None` uses them when
   numba is installed). With numba, the rest of such a step (rotary, cache write, attention,
   norms) runs in numba kernels too (`appo.rollout.cpu.fused`), with no mask tensor.
+- CPU float32 logits are sampled by one numba kernel call per decode step
+  (`appo.rollout.cpu.sampling`: the same distribution, uniforms and recorded values as
+  `appo.rollout.sampling.sample`, in two passes over each row's vocabulary instead of ~75
+  torch op calls); `cpu_sampling=None` uses it when numba is installed, unless the
+  environment sets `APPO_CPU_SAMPLING=0`; `False` keeps the torch sampling.
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask
 unchanged). Every query, including padding queries, sees at least its own column, so no
@@ -39,6 +44,7 @@ one decode call (buffer, batch slots, cached lengths, active rows) is a
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import Tensor
@@ -46,6 +52,7 @@ from torch import Tensor
 from appo.errors import AppoError
 from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
+from appo.rollout.cpu import kernels
 from appo.rollout.cpu.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.hf_batch import BatchCache, DecodeBatch, HFRow, KVBlock, gather_rows
@@ -124,6 +131,7 @@ class HFEngine(TableRows):
         lean_forward: bool | None = None,
         cascade_attention: bool = True,
         cpu_kernel: bool | None = None,
+        cpu_sampling: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -159,10 +167,25 @@ class HFEngine(TableRows):
         self.compact_fraction = compact_fraction
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._sample_numpy = self._cpu_sampler(cpu_sampling)
         self.counters = EngineCounters()
         self.rows: RowTable[HFRow] = RowTable(HFRow)
         self._stops = StopChecker(tokenizer, [], self.eos_ids)
         self.set_stop_strings(stop_strings or [])
+
+    def _cpu_sampler(self, cpu_sampling: bool | None):
+        """`appo.rollout.cpu.sampling.sample_numpy` where the decode loop samples with it
+        (see module docstring), else None (the torch `sample`)."""
+        if cpu_sampling is None:
+            cpu_sampling = (self.device.type == "cpu" and kernels.available()
+                            and os.environ.get("APPO_CPU_SAMPLING", "1") != "0")
+        if not cpu_sampling:
+            return None
+        if self.device.type != "cpu" or not kernels.available():
+            raise AppoError("cpu_sampling needs a CPU model and numba (appo[cpu-kernels])")
+        from appo.rollout.cpu.sampling import sample_numpy  # imports numba
+
+        return sample_numpy
 
     # ------------------------------------------------------------------ settings
     def set_stop_strings(self, stop_strings: list[str]) -> None:
@@ -398,10 +421,14 @@ class HFEngine(TableRows):
                 idx = batch.slots_of(act)
                 logits = batch.logits.index_select(0, idx)
                 seen = None if batch.seen is None else batch.seen.index_select(0, idx)
-            tok, lp, ent, ent_top = sample(logits, params, self.generator, seen)
-            for i, t, logp, h, h_top in zip(act, tok.tolist(), lp.tolist(), ent.tolist(),
+            if self._sample_numpy is not None and logits.dtype == torch.float32:
+                tok, lp, ent, ent_top = self._sample_numpy(logits, params, self.generator, seen)
+            else:
+                tok, lp, ent, ent_top = sample(logits, params, self.generator, seen)
+            tokens = tok.tolist()
+            batch.add_tokens(act, tokens)
+            for i, t, logp, h, h_top in zip(act, tokens, lp.tolist(), ent.tolist(),
                                             ent_top.tolist(), strict=True):
-                batch.add_token(i, t)
                 out = outs[i]
                 out.token_ids.append(t)
                 out.logps.append(logp)

@@ -12,4 +12,7 @@
 - `fused`: a decode step with the work between the matmuls in numba kernels (`attention`:
   rotary + cache write, one GQA / shared-prefix attention kernel per layer, fused norms);
   without numba the lean decoder's torch code runs instead.
+- `sampling`: a decode step's sampling (penalty, temperature, top-k / top-p, log-softmax,
+  inverse-CDF draw, entropies) of CPU float32 logits in one numba kernel call; without
+  numba (or with `APPO_CPU_SAMPLING=0`) the engine samples with `appo.rollout.sampling`.
 """

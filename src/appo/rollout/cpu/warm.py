@@ -1,12 +1,13 @@
 """Compile the CPU decode kernels once, into numba's on-disk cache: `python -m appo.rollout.cpu.warm`.
 
-The numba kernels (`kernels`, `attention`) are compiled on their first call in each process
-and cached next to their source (`cache=True`), so only a process that finds no cache pays
-the compile (tens of seconds on a 2-core machine). A test run over several pytest-xdist
+The numba kernels (`kernels`, `attention`, `sampling`) are compiled on their first call in
+each process and cached next to their source (`cache=True`), so only a process that finds no
+cache pays the compile (tens of seconds on a 2-core machine). A test run over several pytest-xdist
 workers on a fresh clone would otherwise pay it once per worker, inside whichever test first
 decodes, so `make test` runs this first: the tiny-test model decodes one row, a group of forks
 over a shared system prompt (the cascade path) and a batch wide enough for the many-row
-kernel of this CPU's rule, which compiles what those calls use. Nothing here changes a
+kernel of this CPU's rule, which compiles what those calls use (the sampling kernel has one
+signature whatever the sampling parameters). Nothing here changes a
 result; without numba it only says so.
 """
 

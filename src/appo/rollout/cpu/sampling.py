@@ -1,0 +1,240 @@
+"""One decode step's sampling (`appo.rollout.sampling.sample`) for CPU float32 logits, in numba.
+
+The torch path dispatches ~75 op calls per decode step (SmolLM2, 8 or 32 rows, default
+parameters; `benchmarks/engines_profile.py`) over `[B, V]`: penalty, temperature, masks,
+log-softmax, exp, float64 cumsum, searchsorted, gather, two entropies, top-k, most of them
+a pass over the vocabulary. Here one kernel call (plus the uniforms' `torch.rand`: 3 op
+calls) does a row in two passes over its `V` logits plus a partial third, and with top-p
+a sort of the values top-k kept (all of them without top-k, as the torch path sorts).
+Rows are work units split over the run's threads (`appo.rollout.cpu.split`); they share
+nothing, so the split changes no bit:
+
+1. `z = penalty(x) / temperature` (float32 division, as torch's), kept in a scratch row;
+   the row's max; the largest `max(top_k, TOPK_ENTROPY_K)` values in a small min-heap.
+   Top-k keeps `z >= kth largest` (ties at the k-th value kept, as `logits < kth` masks).
+   Top-p keeps `z >= t`, `t` found by sorting the still-kept values ascending and applying
+   transformers' rule (drop the tail whose cumulative mass, float64 sums of float32
+   probabilities as torch's cumsum, is `<= 1 - top_p`; the best token always stays). So
+   both masks are one lower bound `lo` on `z`.
+2. `e = float32(exp(z - max))` for kept tokens (0 for the others), stored; `S = sum e` and
+   `A = sum e (z - max)` in float64. Then `log Z = max + log S`, the entropy
+   `H = log S - A / S` (`-sum p log p` with `p = e / S`), the chosen token's log-prob
+   `z[id] - log Z`, and the top-k entropy proxy from the heap's `TOPK_ENTROPY_K` values.
+3. The draw: the same uniform `r` per row as the torch path (one `torch.rand((B, 1),
+   generator, float64)` call, so the generator's stream is unchanged), and the first token
+   whose float64 running sum of `e` exceeds `r * S`: the torch path's inverse CDF
+   (`searchsorted(cdf, r * cdf[-1], right=True)`) on the same distribution, scaled by `S`.
+
+Greedy (`temperature <= 0`): the first argmax of the penalised logits, log-prob and both
+entropies 0 (as torch's point mass gives, -0.0 included), no uniform drawn.
+
+Deviations from the torch path: none intended. Sums run in another order (float64 here), so
+log-probs and entropies agree to float32 rounding (the torch path's float32 log-softmax is
+the less exact one: up to ~4e-5 off float64 on SmolLM2's logits). A sampled id can differ
+only where `r` falls within that rounding of a CDF step: the torch path's float32
+probabilities carry ~1e-6 relative rounding noise that no other summation reproduces bit for
+bit (measured: no differing token in 16 rows x 96 tokens of SmolLM2-135M, default or
+0.6 / top-k 20 / top-p 0.95 / penalty 1.1; 4 in 19,200 draws from fat-tailed random 49k
+logits, each a tail token next to the torch path's). Likewise top-p's boundary token where
+its cumulative mass is within float32 rounding of `1 - top_p`; and at an exact tie of
+values at the top-p boundary every tied token is kept, where torch keeps those its unstable
+sort puts last.
+`tests/rollout/test_rollout_cpu_sampling.py` checks it against the torch path. It imports
+numba: the hf engine imports it only when the kernels are available
+(`appo.rollout.cpu.kernels.available()`; off with `APPO_CPU_SAMPLING=0` or
+`HFEngine(cpu_sampling=False)`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from appo.rollout.cpu import split
+from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
+
+# Reassociation would let LLVM reorder the float64 sums, so the draw's running sum and `S`
+# could disagree; plain IEEE math keeps them the same sum (and -inf logits well-defined).
+jit = numba.njit(fastmath=False, boundscheck=False, nogil=True, cache=True)
+_NO_SEEN = np.zeros((1, 0), np.bool_)  # no penalty: a row of nothing
+_C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
+            torch.bool: ctypes.c_bool}
+
+
+def _view(t: Tensor) -> np.ndarray:
+    """A numpy view of contiguous CPU tensor `t`'s memory, made without dispatching an op
+    (`Tensor.numpy()` is four op calls: detach, to, resolve_conj, resolve_neg). Only used
+    while `t` is referenced by the caller: the view does not keep it alive."""
+    raw = (_C_TYPES[t.dtype] * t.numel()).from_address(t.data_ptr())
+    return np.ctypeslib.as_array(raw).reshape(tuple(t.shape))
+
+
+@jit
+def _heap_push(heap, v):  # pragma: no cover - numba
+    # Min-heap of the largest values seen: replace the root (the smallest kept) by v.
+    n = heap.shape[0]
+    heap[0] = v
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and heap[c + 1] < heap[c]:
+            c += 1
+        if heap[c] >= heap[i]:
+            break
+        heap[i], heap[c] = heap[c], heap[i]
+        i = c
+
+
+@jit
+def _transform(x, seen_row, use_seen, penalty, temperature, i):  # pragma: no cover
+    # Repetition penalty (CTRL, as transformers) then temperature, in float32 like torch.
+    v = x[i]
+    if use_seen and seen_row[i]:
+        v = v / penalty if v > 0 else v * penalty
+    return v / temperature
+
+
+@jit
+def _top_p_bound(z, lo, thr, cand):  # pragma: no cover - numba
+    # Lowest value transformers' top-p keeps among z >= lo: sort them ascending, drop while
+    # the cumulative mass (float64 sums of float32 probabilities, as torch) is <= thr.
+    n = 0
+    for i in range(z.shape[0]):
+        if z[i] >= lo and z[i] > -np.inf:
+            cand[n] = z[i]
+            n += 1
+    if n == 0:
+        return lo
+    vals = np.sort(cand[:n])
+    mx = vals[n - 1]
+    total = 0.0
+    for i in range(n):
+        total += np.exp(np.float64(vals[i]) - mx)
+    cum = 0.0
+    for i in range(n - 1):  # the best token always stays
+        cum += np.float32(np.exp(np.float64(vals[i]) - mx) / total)
+        if np.float32(cum) > thr:
+            return vals[i]
+    return vals[n - 1]
+
+
+@jit
+def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scratch, heaps,
+                ids, logp, ent, ent_top, lo_row, hi_row):  # pragma: no cover - numba
+    """Rows `lo_row:hi_row` of `logits` `[B, V]` float32 -> `ids`, `logp`, `ent`, `ent_top`
+    `[B]`. `seen` `[B, V]` bool (or `[1, 0]`: no penalty), `uniforms` `[B]` float64,
+    `scratch` `[B, V]` float32 and `heaps` `[B, H]` float32 work space (`H` =
+    `max(top_k, TOPK_ENTROPY_K)` clipped to `V`). `temperature <= 0`: greedy."""
+    vocab = logits.shape[1]
+    use_seen = seen.shape[1] > 0 and penalty != 1.0
+    pen = np.float32(penalty)
+    temp = np.float32(temperature)
+    k_on = 0 < top_k < vocab
+    thr = np.float32(1.0 - top_p)
+    n_top = min(TOPK_ENTROPY_K, vocab)
+    for r in range(lo_row, hi_row):
+        x = logits[r]
+        seen_row = seen[r] if use_seen else seen[0]
+        if temperature <= 0:  # greedy: the first argmax of the penalised logits
+            best, bv = 0, -np.inf
+            for i in range(vocab):
+                v = _transform(x, seen_row, use_seen, pen, np.float32(1.0), i)
+                if v > bv:
+                    best, bv = i, v
+            ids[r], logp[r], ent[r], ent_top[r] = best, 0.0, -0.0, -0.0
+            continue
+        z = scratch[r]
+        heap = heaps[r]
+        heap[:] = -np.inf
+        m = np.float32(-np.inf)
+        for i in range(vocab):  # pass 1: transform, max, the largest values
+            v = _transform(x, seen_row, use_seen, pen, temp, i)
+            z[i] = v
+            if v > m:
+                m = v
+            if v > heap[0]:
+                _heap_push(heap, v)
+        top = np.sort(heap)[::-1]  # descending
+        lo = top[top_k - 1] if k_on else np.float32(-np.inf)
+        if top_p < 1.0:
+            lo = max(lo, _top_p_bound(z, lo, thr, x.copy()))
+        s = 0.0
+        a = 0.0
+        mf = np.float64(m)
+        for i in range(vocab):  # pass 2: unnormalised probabilities and their sums
+            v = z[i]
+            if v >= lo and v > -np.inf:
+                d = np.float64(v) - mf
+                e = np.float32(np.exp(d))
+                z[i] = e
+                s += e
+                a += e * d
+            else:
+                z[i] = 0.0
+        log_s = np.log(s)
+        log_z = mf + log_s
+        ent[r] = log_s - a / s
+        h_top = np.float32(0.0)
+        for j in range(n_top):
+            if top[j] >= lo and top[j] > -np.inf:
+                lp = np.float32(np.float64(top[j]) - log_z)
+                p = np.exp(lp)
+                if p > 0:
+                    h_top -= p * lp
+        ent_top[r] = h_top
+        u = uniforms[r] * s
+        cum = 0.0
+        chosen = vocab - 1  # as the torch path's clamp when rounding leaves u past the end
+        for i in range(vocab):  # pass 3 (partial): the inverse CDF
+            cum += z[i]
+            if cum > u:
+                chosen = i
+                break
+        ids[r] = chosen
+        v = _transform(x, seen_row, use_seen, pen, temp, chosen)
+        logp[r] = np.float64(v) - log_z if v >= lo else -np.inf
+
+
+def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 seen: Tensor | None = None, threads: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`appo.rollout.sampling.sample` on CPU float32 `logits` `[B, V]` (`seen`: `[B, V]`
+    bool); returns numpy arrays `[B]` (ids int64, log-prob / entropy / top-k entropy
+    float32): the decode loop only reads them as lists."""
+    # One array layout (C-contiguous) and one set of argument types: a single compiled
+    # signature, which `appo.rollout.cpu.warm` puts into numba's on-disk cache.
+    logits = logits if logits.is_contiguous() else logits.contiguous()
+    x = _view(logits)
+    rows, vocab = x.shape
+    greedy = params.greedy
+    # The torch path's one draw per row (none when greedy), so the stream stays the same.
+    drawn = None if greedy else torch.rand((rows, 1), generator=generator, dtype=torch.float64)
+    uniforms = np.zeros(rows) if drawn is None else _view(drawn).reshape(rows)
+    use_seen = seen is not None and params.repetition_penalty != 1.0
+    if use_seen and not seen.is_contiguous():
+        seen = seen.contiguous()
+    s = _view(seen) if use_seen else _NO_SEEN
+    k = int(params.top_k)
+    width = min(max(k if 0 < k < vocab else 0, TOPK_ENTROPY_K), vocab)
+    scratch = np.empty((0, vocab) if greedy else (rows, vocab), np.float32)
+    heaps = np.empty((rows, width), np.float32)
+    ids = np.empty(rows, np.int64)
+    logp, ent, ent_top = (np.empty(rows, np.float32) for _ in range(3))
+    args = (x, s, float(params.repetition_penalty), float(params.temperature), k,
+            float(params.top_p), uniforms, scratch, heaps, ids, logp, ent, ent_top)
+    threads = torch.get_num_threads() if threads is None else threads
+    units = tuple((r, r + 1) for r in range(rows)) if threads > 1 and rows > 1 else ((0, rows),)
+    split.run_chunks(sample_rows, args, units, threads)
+    return ids, logp, ent, ent_top
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           seen: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`sample_numpy` as tensors `[B]`: the signature of `appo.rollout.sampling.sample`."""
+    return tuple(torch.from_numpy(a) for a in sample_numpy(logits, params, generator, seen))
