@@ -25,8 +25,8 @@ Where the speed comes from:
   norms) runs in numba kernels too (`appo.rollout.cpu.fused`), with no mask tensor.
 - CPU float32 logits are sampled by one numba kernel call per decode step
   (`appo.rollout.cpu.sampling`: the same distribution, uniforms and recorded values as
-  `appo.rollout.sampling.sample`, in two passes over each row's vocabulary instead of ~75
-  torch op calls); `cpu_sampling=None` uses it when numba is installed, unless the
+  `appo.rollout.sampling.sample`, in two passes over each row's vocabulary instead of dozens
+  of torch op calls); `cpu_sampling=None` uses it when numba is installed, unless the
   environment sets `APPO_CPU_SAMPLING=0`; `False` keeps the torch sampling.
 
 The attention mask is built here as a 4D additive mask (transformers returns a 4D mask

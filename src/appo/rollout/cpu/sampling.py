@@ -1,10 +1,10 @@
 """One decode step's sampling (`appo.rollout.sampling.sample`) for CPU float32 logits, in numba.
 
-The torch path dispatches ~75 op calls per decode step (SmolLM2, 8 or 32 rows, default
-parameters; `benchmarks/engines_profile.py`) over `[B, V]`: penalty, temperature, masks,
-log-softmax, exp, float64 cumsum, searchsorted, gather, two entropies, top-k, most of them
-a pass over the vocabulary. Here one kernel call (plus the uniforms' `torch.rand`: 3 op
-calls) does a row in two passes over its `V` logits plus a partial third, and with top-p
+The torch path dispatches dozens of op calls per decode step over `[B, V]` (penalty,
+temperature, masks, log-softmax, exp, float64 cumsum, searchsorted, gather, two entropies,
+top-k), most of them a pass over the vocabulary (counts: `benchmarks/engines_profile.py`,
+figures in `benchmarks/RESULTS.md`). Here one kernel call (plus the uniforms' `torch.rand`)
+does a row in two passes over its `V` logits plus a partial third, and with top-p
 a sort of the values top-k kept (all of them without top-k, as the torch path sorts).
 Rows are work units split over the run's threads (`appo.rollout.cpu.split`); they share
 nothing, so the split changes no bit:
@@ -30,12 +30,10 @@ entropies 0 (as torch's point mass gives, -0.0 included), no uniform drawn.
 
 Deviations from the torch path: none intended. Sums run in another order (float64 here), so
 log-probs and entropies agree to float32 rounding (the torch path's float32 log-softmax is
-the less exact one: up to ~4e-5 off float64 on SmolLM2's logits). A sampled id can differ
-only where `r` falls within that rounding of a CDF step: the torch path's float32
-probabilities carry ~1e-6 relative rounding noise that no other summation reproduces bit for
-bit (measured: no differing token in 16 rows x 96 tokens of SmolLM2-135M, default or
-0.6 / top-k 20 / top-p 0.95 / penalty 1.1; 4 in 19,200 draws from fat-tailed random 49k
-logits, each a tail token next to the torch path's). Likewise top-p's boundary token where
+the less exact one). A sampled id can differ only where `r` falls within that rounding of a
+CDF step: the torch path's float32 probabilities carry relative rounding noise that no other
+summation reproduces bit for bit (the measured agreement: `benchmarks/RESULTS.md`, "CPU
+sampling kernel"). Likewise top-p's boundary token where
 its cumulative mass is within float32 rounding of `1 - top_p`; and at an exact tie of
 values at the top-p boundary every tied token is kept, where torch keeps those its unstable
 sort puts last.
