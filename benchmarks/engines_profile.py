@@ -157,16 +157,14 @@ def step_timers(eng, prompts, args) -> None:
 
     lean._matmuls = matmuls
     if fused is not None:
-        # Attention runs in chunks on several threads: its wall time is the split's call.
-        from appo.rollout.cpu import fused as fused_module
-
+        # Attention runs in chunks on several threads: its wall time is the team's call.
         wrapped = types.SimpleNamespace(**vars(fused.k))
         for name in (n for n in FUSED_KERNELS if hasattr(fused.k, n)):
             if not name.startswith("attend"):
                 setattr(wrapped, name, timed(getattr(fused.k, name), name))
         fused.k = wrapped
-        fused_module.split = types.SimpleNamespace(**vars(fused_module.split))
-        fused_module.split.run_chunks = timed(fused_module.split.run_chunks, "attention")
+        fused.team = types.SimpleNamespace(**vars(fused.team))
+        fused.team.attend = timed(fused.team.attend, "attention")
     eng._forward = timed(eng._forward, "forward")
 
     def run(tokens: int) -> tuple[float, Counter, Counter]:

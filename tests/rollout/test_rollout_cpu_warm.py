@@ -23,12 +23,13 @@ SCRIPT = textwrap.dedent("""
     import json
     import numba
     from appo.models import load_model
-    from appo.rollout.cpu import attention, kernels, sampling, warm
+    from appo.rollout.cpu import attention, kernels, sampling, team, warm
     from appo.rollout.hf_engine import HFEngine
     from appo.rollout.sampling import SamplingParams
 
     def compiled():
-        found = {name: d for module in (attention, sampling) for name, d in vars(module).items()
+        found = {name: d for module in (attention, sampling, team)
+                 for name, d in vars(module).items()
                  if isinstance(d, numba.core.dispatcher.Dispatcher)}
         found.update({"kernels." + kind: d for kind, d in kernels._built.items()})
         return {name: sorted(map(str, d.signatures)) for name, d in found.items()}
@@ -57,6 +58,7 @@ def test_warm_compiles_every_signature_a_rollout_calls():
     before, after = seen["before"], seen["after"]
     # The fused step's kernels and at least one matmul kernel of this machine's rule.
     assert all(before.get(name) for name in ("rope_write", "attend_units", "rms_norm",
-                                             "add_rms_norm", "silu_mul", "sample_rows")), before
+                                             "add_rms_norm", "silu_mul", "sample_rows",
+                                             "_matmul", "_attention", "_serve")), before
     assert any(name.startswith("kernels.") and sigs for name, sigs in before.items()), before
     assert after == before  # the later decodes compiled (or loaded) nothing new

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import kernels, split
+from appo.rollout.cpu import kernels
 
 _EMPTY = np.empty(0, np.float32)
 # Query-key pairs of a layer's decode attention below which it runs on the calling thread
@@ -41,10 +41,12 @@ class FusedStep:
     """Runs `LeanDecoder` decode steps through the kernels (see module docstring)."""
 
     def __init__(self, lean):
-        from appo.rollout.cpu import attention  # imports numba: only built when available
+        # These import numba: only built when available.
+        from appo.rollout.cpu import attention, team
 
         self.lean = lean
         self.k = attention
+        self.team = team
         self._norms: tuple | None = None
         # (weak reference to the shared prefix's keys/values, its values transposed)
         self._pvt: tuple | None = None
@@ -133,8 +135,8 @@ class FusedStep:
             qkv = linear(x, x_t, lw.qkv, lw.qkv_bias)
             k.rope_write(qkv, cos_np, sin_np, q_norm, k_norm, eps, buf, idx, col, q)
             pk, pv = (empty_kv, empty_kv_t) if pkv is None else (pkv[idx, 0], pvt[idx])
-            split.run_chunks(k.attend_units, (q, buf, idx, first_np, col, pk, pv, lean.scale,
-                                              att3), units, threads)
+            self.team.attend((q, buf, idx, first_np, col, pk, pv, lean.scale, att3), units,
+                             threads)
             k.add_rms_norm(h, linear(att, att_t, lw.o, lw.o_bias), post_norm, eps, x)
             gate_up = linear(x, x_t, lw.gate_up, lw.gate_up_bias)
             if act is None:

@@ -236,17 +236,18 @@ _arrays: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-           kind: str = "row", threads: int | None = None) -> Tensor:
+           kind: str = "row", threads: int | None = None, run=None) -> Tensor:
     """`F.linear(x, weight, bias)` on CPU, `x` `[..., K]`, `weight` `[N, K]` (float32, or
     float64 in tests); returns `[..., N]`, a new contiguous tensor. `kind` picks the kernel
     (`BUILDERS`: "row", "wide" = 8 weight rows x 2 input rows, worth it only with AVX-512's
     32 registers, "tile" = 3 weight rows x 4 input rows, for many rows).
     `threads` (default: torch's thread count) split the output columns
-    (`appo.rollout.cpu.split`); the result is bit-identical for any count."""
+    (`appo.rollout.cpu.split`); the result is bit-identical for any count. `run`: what
+    splits them (`split.run`'s signature; default `split.run`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.from_numpy(linear_numpy(
         rows.detach().numpy() if rows.requires_grad else rows.numpy(), weight, None, kind,
-        threads))
+        threads, run))
     out = out if bias is None else out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -259,14 +260,14 @@ def kernel_for(kind: str):
 
 
 def linear_numpy(x: np.ndarray, weight: Tensor, bias: Tensor | None = None,
-                 kind: str = "row", threads: int | None = None) -> np.ndarray:
+                 kind: str = "row", threads: int | None = None, run=None) -> np.ndarray:
     """`linear` on a contiguous `[M, K]` numpy array, returning a new `[M, N]` numpy array:
     the decode step of `appo.rollout.cpu.fused` keeps its activations in numpy, and each
     tensor <-> numpy conversion is several dispatched op calls."""
     # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
     out = np.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    split.run(kernel_for(kind), x, _weight_array(weight), out,
-              torch.get_num_threads() if threads is None else threads)
+    (run or split.run)(kernel_for(kind), x, _weight_array(weight), out,
+                       torch.get_num_threads() if threads is None else threads)
     if bias is not None:
         out += _weight_array(bias)
     return out

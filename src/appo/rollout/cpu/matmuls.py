@@ -57,9 +57,19 @@ def head_in_blocks(x: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
+@functools.cache
+def _splitter():
+    """How the kernels' chunks reach the threads: `appo.rollout.cpu.team` (spinning
+    helpers) unless `APPO_CPU_TEAM=0`, else `split`'s queue. Imported on the first kernel
+    matmul (it imports numba)."""
+    from appo.rollout.cpu import split, team
+
+    return team.run if team.enabled() else split.run
+
+
 def _numba_linear(kind: str):
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return kernels.linear(x, weight, bias, kind)
+        return kernels.linear(x, weight, bias, kind, run=_splitter())
 
     return linear
 
@@ -85,7 +95,7 @@ def _torch_numpy_linear(weight_first: bool):
 
 def _numba_numpy_linear(kind: str):
     def linear(x, weight: Tensor, bias: Tensor | None = None):
-        return kernels.linear_numpy(x, weight, bias, kind)
+        return kernels.linear_numpy(x, weight, bias, kind, run=_splitter())
 
     return linear
 

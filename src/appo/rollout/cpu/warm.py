@@ -22,10 +22,12 @@ from appo.rollout.cpu import kernels
 def warm() -> float:
     """Decode a few tiny-test batches through the CPU kernels; returns the seconds taken."""
     from appo.models import load_model
+    from appo.rollout.cpu import team
     from appo.rollout.hf_engine import HFEngine
     from appo.rollout.sampling import SamplingParams
 
     began = time.perf_counter()
+    team.warm()  # the split jobs: the tiny model's matrices are too small to be split
     lm = load_model("tiny-test", device="cpu")
     tok = lm.tokenizer
     eng = HFEngine(lm.model, tok, seed=0, eos_ids=frozenset())

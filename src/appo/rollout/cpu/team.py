@@ -1,0 +1,424 @@
+"""Spinning helper threads for a decode step's split kernels: the hand-off in nanoseconds.
+
+`appo.rollout.cpu.split` hands a matmul's chunks to sleeping helper threads through a queue
+and an event. Each hand-off wakes a thread through the kernel (and, in a virtual machine,
+the hypervisor): tens of microseconds per round trip, paid by the ~150 split kernels of
+every decode step of SmolLM2 (4 matmuls and one attention per layer), a sizeable part of
+an 8-row step (`benchmarks/RESULTS.md`, "split hand-off"). Here the helpers wait by
+spinning on a shared counter (an atomic load and a `pause`) inside a numba function that
+holds no GIL, and run the chunks there too, so a hand-off touches neither the kernel nor
+Python: the caller writes the job (kind, array addresses and shapes) into a shared int64
+array, publishes it by bumping a sequence number, takes chunks itself and spins until
+every chunk is done. A helper that sees no job for `SPIN` rounds (about a millisecond:
+between decode steps, or when no rollout runs) returns to Python and sleeps on an event
+until the next job's caller wakes it; that job is done without it.
+
+Jobs: the numba matmul kernels (`appo.rollout.cpu.kernels`, `x @ w^T` on C-contiguous
+float32 arrays) and the fused step's attention (`attention.attend_units`, float32). Any
+other kernel, layout or dtype takes `split`'s path. Chunks are the same as `split`'s and
+each runs the same compiled kernel on arrays of the same type and layout, so results are
+bit-identical to one call over all columns, whatever thread takes which chunk.
+
+Protocol (int64 `ctl`; the counters on their own cache lines): the caller first tags the
+chunk counter `NEXT` with the new sequence number (an atomic exchange), then writes the
+job's fields, resets `DONE` and publishes `SEQ` (release). A helper that saw sequence `t`
+reads the fields, then takes chunks by compare-and-swap on `NEXT`, only while its tag is
+`t` (the caller has not moved on) and chunks are left: a late helper neither runs a stale
+job nor uses up a chunk of the next. `DONE` counts finished chunks (release); the caller returns once it
+reaches the chunk count (acquire), after which the job's arrays are the caller's again.
+
+`APPO_CPU_TEAM=0` turns it off (the queue hand-off of `split`); rollouts are the same
+either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from appo.rollout.cpu import attention, kernels, split
+
+SEQ, NEXT, DONE = 0, 8, 16  # one 64-byte line each
+KIND, CHUNKS, BOUNDS, HELPERS, LAYER, LAST, STALL = 24, 25, 26, 27, 28, 29, 30
+FIELDS = 32  # addresses and shapes from here
+TAKEN = 64  # + helper number: chunks that helper has run (one writer each)
+MAX_HELPERS = 64
+# Job kinds: the matmul kernels by `kernels.BUILDERS` name, then attention.
+KINDS = {"row": 0, "wide": 1, "tile": 2}
+ATTENTION = 3
+# Idle rounds (an atomic load and a pause each, ~20-50 ns) before a helper sleeps.
+SPIN = 40_000
+# Idle rounds between two `sched_yield` calls (any other thread wanting the core gets it).
+YIELD_EVERY = 64
+_X86 = platform.machine().lower() in {"x86_64", "amd64", "i686", "i386"}
+_YIELD = sys.platform != "win32"
+
+
+def enabled() -> bool:
+    return os.environ.get("APPO_CPU_TEAM", "1") != "0"
+
+
+def _element(context, builder, sig, args):
+    arrty = sig.args[0]
+    ary = context.make_array(arrty)(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]])
+
+
+@intrinsic
+def _load(typingctx, arr, idx):
+    """`arr[idx]` as an acquire load (never hoisted out of a spin loop)."""
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_element(context, builder, sig, args), "acquire", 8)
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def _store(typingctx, arr, idx, val):
+    """`arr[idx] = val` as a release store."""
+    def codegen(context, builder, sig, args):
+        builder.store_atomic(args[2], _element(context, builder, sig, args), "release", 8)
+        return context.get_dummy_value()
+    return types.void(arr, idx, val), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, idx, val):
+    """`arr[idx] += val` atomically; returns the value before."""
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _element(context, builder, sig, args), args[2],
+                                  "acq_rel")
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def _compare_exchange(typingctx, arr, idx, expected, val):
+    """`arr[idx] = val` if it holds `expected`, atomically; True where it did."""
+    def codegen(context, builder, sig, args):
+        pair = builder.cmpxchg(_element(context, builder, sig, args), args[2], args[3],
+                               "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+    return types.boolean(arr, idx, expected, val), codegen
+
+
+@intrinsic
+def _exchange(typingctx, arr, idx, val):
+    """`arr[idx] = val` atomically, ordered before every later store."""
+    def codegen(context, builder, sig, args):
+        return builder.atomic_rmw("xchg", _element(context, builder, sig, args), args[2],
+                                  "acq_rel")
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """x86's spin-wait hint (nothing elsewhere)."""
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _yield(typingctx):
+    """`sched_yield()`: a spinning helper lets another thread on its core run."""
+    def codegen(context, builder, sig, args):
+        if _YIELD:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.IntType(32), []), "sched_yield")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def _pointer_to(dtype):
+    @intrinsic
+    def at(typingctx, address):
+        """The int64 `address` as a pointer to `dtype`."""
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+        return types.CPointer(dtype)(types.int64), codegen
+    return at
+
+
+_f32_at, _i64_at = _pointer_to(types.float32), _pointer_to(types.int64)
+_ROW, _WIDE, _TILE = (kernels.kernel_for(kind) for kind in KINDS)
+jit = numba.njit(nogil=True, cache=True)
+
+
+@jit
+def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
+    # One chunk of the published job, its arrays rebuilt from the fields.
+    f = FIELDS
+    if kind == ATTENTION:
+        q = numba.carray(_f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
+        out = numba.carray(_f32_at(ctl[f + 4]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
+        buf = numba.carray(_f32_at(ctl[f + 5]), (ctl[f + 6], ctl[f + 7], ctl[f + 8],
+                                                 ctl[f + 9], ctl[f + 10], ctl[f + 11]))
+        first = numba.carray(_i64_at(ctl[f + 12]), (ctl[f + 1],))
+        pk = numba.carray(_f32_at(ctl[f + 13]), (ctl[f + 14], ctl[f + 15], ctl[f + 16]))
+        pvt = numba.carray(_f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 16], ctl[f + 15]))
+        attention.attend_units(q, buf, ctl[LAYER], first, ctl[LAST], pk, pvt, fctl[0], out,
+                               lo, hi)
+        return
+    x = numba.carray(_f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2]))
+    w = numba.carray(_f32_at(ctl[f + 3]), (ctl[f + 4], ctl[f + 2]))
+    out = numba.carray(_f32_at(ctl[f + 5]), (ctl[f + 1], ctl[f + 4]))
+    if kind == 0:
+        _ROW(x, w, out, lo, hi)
+    elif kind == 1:
+        _WIDE(x, w, out, lo, hi)
+    else:
+        _TILE(x, w, out, lo, hi)
+
+
+@jit
+def _stall(ctl):  # pragma: no cover - numba
+    # `ctl[STALL]` pause rounds: 0 outside the tests, which widen the races with it.
+    for _ in range(ctl[STALL]):
+        _pause()
+
+
+@jit
+def _take_chunks(ctl, fctl, tag, me):  # pragma: no cover - numba
+    # Chunks of job `tag` until none is left (or the job is no longer `tag`); `me`: the
+    # helper's number, -1 for the caller.
+    while True:
+        # A compare-and-swap, not a fetch-add: a take that fails (another job, or none
+        # left) must leave the counter as it was, or the current job would lose a chunk.
+        taken = _load(ctl, NEXT)
+        i = taken & 0xFFFFFFFF
+        if (taken >> 32) != tag or i >= ctl[CHUNKS]:
+            return
+        if not _compare_exchange(ctl, NEXT, taken, taken + 1):
+            continue
+        # Taken while the counter still carried `tag`: the job is `tag`, and it cannot
+        # finish (nor its fields change) before this chunk is done.
+        bounds = numba.carray(_i64_at(ctl[BOUNDS]), (ctl[CHUNKS] + 1,))
+        _chunk(ctl, fctl, ctl[KIND], bounds[i], bounds[i + 1])
+        if me >= 0:
+            ctl[TAKEN + me] += 1
+        _fetch_add(ctl, DONE, 1)
+        if me >= 0:
+            _stall(ctl)  # tests only: a helper slow to come back for the next chunk
+
+
+@jit
+def _serve(ctl, fctl, me, seen, spin):  # pragma: no cover - numba
+    # A helper's loop: returns the last sequence seen after `spin` idle rounds.
+    idle = 0
+    while True:
+        tag = _load(ctl, SEQ)
+        if tag == seen:
+            idle += 1
+            if idle >= spin:
+                return seen
+            if idle % YIELD_EVERY == 0:
+                _yield()
+            _pause()
+            continue
+        seen, idle = tag, 0
+        _stall(ctl)  # tests only: a helper late to the job it saw
+        if me < ctl[HELPERS]:
+            _take_chunks(ctl, fctl, tag, me)
+
+
+@jit
+def _publish(ctl, kind, bounds, helpers):  # pragma: no cover - numba
+    tag = ctl[SEQ] + 1
+    _exchange(ctl, NEXT, tag << 32)  # takes of the previous job fail from here on
+    _stall(ctl)  # tests only: a caller slow to write the fields
+    ctl[KIND], ctl[CHUNKS], ctl[BOUNDS] = kind, bounds.size - 1, bounds.ctypes.data
+    ctl[HELPERS] = helpers
+    return tag
+
+
+@jit
+def _lead(ctl, fctl, tag, count):  # pragma: no cover - numba
+    # The caller's part: publish, take chunks, wait for the helpers' last ones.
+    _store(ctl, DONE, 0)
+    _store(ctl, SEQ, tag)
+    _take_chunks(ctl, fctl, tag, -1)
+    while _load(ctl, DONE) < count:
+        _pause()
+
+
+@jit
+def _matmul(ctl, fctl, bounds, helpers, kind, x, w, out):  # pragma: no cover - numba
+    tag = _publish(ctl, kind, bounds, helpers)
+    f = FIELDS
+    ctl[f], ctl[f + 1], ctl[f + 2] = x.ctypes.data, x.shape[0], x.shape[1]
+    ctl[f + 3], ctl[f + 4], ctl[f + 5] = w.ctypes.data, w.shape[0], out.ctypes.data
+    _lead(ctl, fctl, tag, bounds.size - 1)
+
+
+@jit
+def _attention(ctl, fctl, bounds, helpers, q, buf, layer, first, last, pk, pvt, scale,
+               out):  # pragma: no cover - numba
+    tag = _publish(ctl, ATTENTION, bounds, helpers)
+    f = FIELDS
+    ctl[LAYER], ctl[LAST] = layer, last
+    fctl[0] = scale
+    ctl[f], ctl[f + 1], ctl[f + 2], ctl[f + 3] = q.ctypes.data, q.shape[0], q.shape[1], q.shape[2]
+    ctl[f + 4], ctl[f + 5] = out.ctypes.data, buf.ctypes.data
+    for i in range(6):
+        ctl[f + 6 + i] = buf.shape[i]
+    ctl[f + 12], ctl[f + 13] = first.ctypes.data, pk.ctypes.data
+    ctl[f + 14], ctl[f + 15], ctl[f + 16] = pk.shape[0], pk.shape[1], pk.shape[2]
+    ctl[f + 17] = pvt.ctypes.data
+    _lead(ctl, fctl, tag, bounds.size - 1)
+
+
+JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _matmul, _attention)
+
+
+def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__)) -> bool:
+    """numba's cache checks only the defining file (this one), but the job functions
+    embed the kernels of `kernels.py` and `attention.py`: their cached code is dropped
+    (True) when those files differ from the stamp kept beside the cache."""
+    try:
+        stamp = hashlib.sha256(b"".join(Path(p).read_bytes() for p in sources)).hexdigest()
+        stamp_file = Path(jobs[0]._cache._cache_path) / "team.depends"
+        if stamp_file.exists() and stamp_file.read_text() == stamp:
+            return False
+        for job in jobs:
+            job._cache.flush()
+        stamp_file.write_text(stamp)
+        return True
+    except (AttributeError, OSError):  # a numba without these internals, or no cache dir
+        return False
+
+
+drop_stale_cache()
+
+
+class Team:
+    """The helper threads and their shared job record (one per process)."""
+
+    def __init__(self):
+        self.ctl = np.zeros(TAKEN + MAX_HELPERS, np.int64)
+        self.fctl = np.zeros(1, np.float64)
+        self.sleeping: list[bool] = []
+        self.wake: list[threading.Event] = []
+        self.busy = threading.Lock()
+
+    def _start(self, count: int) -> None:
+        while len(self.wake) < count:
+            me = len(self.wake)
+            self.sleeping.append(False)
+            self.wake.append(threading.Event())
+            threading.Thread(target=self._loop, args=(me,), daemon=True,
+                             name=f"appo-decode-team-{me + 1}").start()
+
+    def _loop(self, me: int) -> None:
+        seen = int(self.ctl[SEQ])
+        while True:
+            seen = _serve(self.ctl, self.fctl, me, seen, SPIN)
+            self.sleeping[me] = True
+            self.wake[me].wait()
+            self.wake[me].clear()
+
+    def _rouse(self, helpers: int) -> None:
+        self._start(helpers)
+        for me in range(helpers):
+            if self.sleeping[me]:  # it misses this job; spinning again for the next
+                self.sleeping[me] = False
+                self.wake[me].set()
+
+    def run(self, job, args: tuple, chunks: tuple[tuple[int, int], ...], threads: int) -> bool:
+        """Run `job(ctl, fctl, bounds, helpers, *args)`; False (nothing run) when another
+        Python thread is using the team."""
+        if not self.busy.acquire(blocking=False):
+            return False
+        try:
+            self._rouse(threads - 1)
+            job(self.ctl, self.fctl, _bounds(chunks), threads - 1, *args)
+        finally:
+            self.busy.release()
+        return True
+
+
+_bounds_cache: dict[tuple, np.ndarray] = {}
+
+
+def _bounds(chunks: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """`chunks` as int64 bounds `[len + 1]` (contiguous chunks), made once per chunking."""
+    got = _bounds_cache.get(chunks)
+    if got is None:
+        got = np.array([chunks[0][0], *(hi for _, hi in chunks)], np.int64)
+        if len(_bounds_cache) > 1024:
+            _bounds_cache.clear()
+        _bounds_cache[chunks] = got
+    return got
+
+
+_TEAM = Team()
+
+
+def _reset_after_fork() -> None:  # threads do not survive a fork
+    global _TEAM
+    _TEAM = Team()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _plain(*arrays: np.ndarray) -> bool:
+    return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+
+
+_KIND_OF = {id(kernels.kernel_for(kind)): number for kind, number in KINDS.items()}
+
+
+def run(kernel, x: np.ndarray, w: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """`split.run`: `kernel(x, w, out, lo, hi)` over all of `w`'s rows, split over `threads`
+    threads (`split.column_chunks`), through the team where it applies (a numba matmul
+    kernel, float32, C-contiguous), else through `split`."""
+    chunks = split.column_chunks(int(w.shape[0]), int(w.shape[1]) * w.itemsize, threads)
+    kind = _KIND_OF.get(id(kernel))
+    if (len(chunks) > 1 and kind is not None and enabled() and _plain(x, w, out)
+            and _TEAM.run(_matmul, (kind, x, w, out), chunks, threads)):
+        return
+    split.run(kernel, x, w, out, threads)
+
+
+def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int) -> None:
+    """`attention.attend_units(*args, lo, hi)` for every unit range of `units` (contiguous,
+    in order), over `threads` threads: the team where it applies, else `split`."""
+    q, buf, layer, first, last, pk, pvt, scale, out = args
+    if (len(units) > 1 and enabled() and _plain(q, buf, pk, pvt, out)
+            and first.dtype == np.int64 and first.flags.c_contiguous
+            and _TEAM.run(_attention, (q, buf, int(layer), first, int(last), pk, pvt,
+                                       float(scale), out), units, threads)):
+        return
+    split.run_chunks(attention.attend_units, args, units, threads)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every job's signature, on small arrays: the
+    tiny models of the tests never split a matmul or an attention."""
+    x, w = np.zeros((2, 8), np.float32), np.zeros((48, 8), np.float32)
+    out = np.empty((2, 48), np.float32)
+    for kind in KINDS.values():
+        _TEAM.run(_matmul, (kind, x, w, out), ((0, 24), (24, 48)), 2)
+    q = np.ones((2, 2, 4), np.float32)
+    buf = np.ones((1, 2, 2, 1, 3, 4), np.float32)
+    pk, pvt = np.zeros((1, 0, 4), np.float32), np.zeros((1, 4, 0), np.float32)
+    _TEAM.run(_attention, (q, buf, 0, np.zeros(2, np.int64), 0, pk, pvt, 0.5,
+                           np.empty_like(q)), ((0, 1), (1, 1)), 2)
+    # The helpers' loop, here rather than in whichever helper thread starts first (it
+    # returns at once: no idle round allowed).
+    _serve(_TEAM.ctl, _TEAM.fctl, 0, int(_TEAM.ctl[SEQ]), 0)
