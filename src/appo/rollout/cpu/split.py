@@ -21,6 +21,10 @@ matrix under `SPLIT_MIN_BYTES` of weights is not split; larger ones get up to
 `CHUNKS_PER_THREAD` chunks per thread, none under `CHUNK_MIN_BYTES`. The helpers are
 rebuilt in a forked child (threads do not survive a fork); a second Python thread calling
 in while the helpers are busy runs its matmul alone, unsplit.
+
+The decode step's numba matmuls and attention go through `appo.rollout.cpu.team` instead
+(the same chunks, handed to spinning helpers without a wake-up); this queue serves the
+other kernels (the sampling kernel, float64 tests) and `APPO_CPU_TEAM=0`.
 """
 
 from __future__ import annotations
