@@ -20,18 +20,32 @@ def vllm_present(monkeypatch):
     monkeypatch.setattr(auto, "vllm_import_error", lambda: None)
 
 
+@pytest.fixture
+def vllm_faster(monkeypatch):
+    """The table measured before issue 43's CPU kernels (2026-11-25, AMD Zen 4), where
+    vLLM decoded 2.0-2.1x faster: the rule's crossovers are tested on it."""
+    monkeypatch.setattr(auto, "CPU_DECODE", ((8, 103.6, 214.9), (32, 175.4, 356.9)))
+
+
 # ---------------------------------------------------------------- the table
 def test_decode_speeds_are_the_measured_ones_and_interpolate_between():
-    assert decode_speeds(8) == (103.6, 214.9)
-    assert decode_speeds(32) == (175.4, 356.9)
+    assert decode_speeds(8) == (132.5, 124.6)
+    assert decode_speeds(32) == (241.5, 222.8)
     hf16, vllm16 = decode_speeds(16)  # log-log midpoint: the geometric mean
-    assert hf16 == pytest.approx(math.sqrt(103.6 * 175.4))
-    assert vllm16 == pytest.approx(math.sqrt(214.9 * 356.9))
+    assert hf16 == pytest.approx(math.sqrt(132.5 * 241.5))
+    assert vllm16 == pytest.approx(math.sqrt(124.6 * 222.8))
     assert decode_speeds(1) == decode_speeds(8)  # held flat outside the measured sizes
     assert decode_speeds(256) == decode_speeds(32)
 
 
-def test_break_even_is_the_start_up_gap_over_the_time_saved_per_token():
+def test_with_the_measured_table_a_cpu_run_stays_on_hf(vllm_present):
+    for rows in (1, 8, 16, 32, 256):
+        assert break_even_tokens(rows) == math.inf
+        choice = choose_engine(Workload(rows, 10_000, 512), cuda=False)
+        assert choice.name == "hf" and "hf decodes" in choice.reason
+
+
+def test_break_even_is_the_start_up_gap_over_the_time_saved_per_token(vllm_faster):
     gap = auto.CPU_STARTUP_S["vllm"] - auto.CPU_STARTUP_S["hf"]
     assert break_even_tokens(8) == pytest.approx(gap / (1 / 103.6 - 1 / 214.9))
     assert 12_000 < break_even_tokens(8) < 12_400
@@ -52,7 +66,7 @@ def test_not_installed_is_hf_without_error(monkeypatch):
         assert choice == Choice("hf", "vLLM is not installed in this environment")
 
 
-def test_short_run_stays_on_hf_long_run_goes_to_vllm(vllm_present):
+def test_short_run_stays_on_hf_long_run_goes_to_vllm(vllm_present, vllm_faster):
     """The 3-step vLLM run of docs/vllm.md (4 prompts x 8 rows, 160-token budget) does not
     repay vLLM's start-up; ten such steps do."""
     short = choose_engine(Workload(32, 3, 160), cuda=False)
@@ -61,7 +75,7 @@ def test_short_run_stays_on_hf_long_run_goes_to_vllm(vllm_present):
     assert "2.03x" in long.reason and "7.7k expected" in short.reason
 
 
-def test_crossover_in_tokens_at_a_fixed_batch(vllm_present):
+def test_crossover_in_tokens_at_a_fixed_batch(vllm_present, vllm_faster):
     need = break_even_tokens(8)
     budget = 100
     calls = math.ceil(need / (8 * budget * auto.EXPECTED_FILL))
@@ -69,7 +83,7 @@ def test_crossover_in_tokens_at_a_fixed_batch(vllm_present):
     assert choose_engine(Workload(8, calls, budget), cuda=False).name == "vllm"
 
 
-def test_crossover_in_rows_at_a_fixed_run_length(vllm_present):
+def test_crossover_in_rows_at_a_fixed_run_length(vllm_present, vllm_faster):
     """10 rollout calls with a 256-token budget: a few rows decode too little to repay the
     start-up, a batch of 32 does."""
     assert choose_engine(Workload(4, 10, 256), cuda=False).name == "hf"
@@ -89,7 +103,7 @@ def test_cuda_is_vllm_at_any_batch(vllm_present):
         assert choose_engine(Workload(rows, 1, 16), cuda=True).name == "vllm"
 
 
-def test_installed_but_broken_import_falls_back_to_hf(monkeypatch):
+def test_installed_but_broken_import_falls_back_to_hf(monkeypatch, vllm_faster):
     monkeypatch.setattr(auto, "vllm_installed", lambda: True)
     monkeypatch.setattr(auto, "vllm_import_error",
                         lambda: "RuntimeError: operator torchvision::nms does not exist")
@@ -146,8 +160,8 @@ def test_build_engine_auto_without_vllm_is_the_hf_engine_and_says_why(
     assert capsys.readouterr().err == ""
 
 
-def test_build_engine_auto_picks_vllm_for_a_long_run(tiny_lm, vllm_present, monkeypatch,
-                                                      capsys):
+def test_build_engine_auto_picks_vllm_for_a_long_run(tiny_lm, vllm_present, vllm_faster,
+                                                      monkeypatch, capsys):
     from appo.rollout import build_engine
     from appo.rollout.vllm_engine import VLLMEngine
 

