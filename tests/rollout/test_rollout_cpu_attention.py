@@ -299,6 +299,13 @@ def test_engine_decode_through_the_kernels_matches_the_torch_path(model_type, mo
     assert gap < 1e-4
 
 
+def test_units_are_halved_where_there_would_be_too_few(k):
+    # (rows, KV heads) -> units: 8 rows per unit, or 4 (or 2) where 8 make under 4 units.
+    for (rows, kv_heads), n in {(32, 3): 12, (19, 3): 9, (8, 3): 6, (8, 1): 4, (1, 3): 3,
+                                (5, 3): 6, (16, 2): 4, (8, 8): 8, (2, 1): 1}.items():
+        assert k.units(rows, kv_heads) == n, (rows, kv_heads)
+
+
 @pytest.mark.parametrize("rows", [5, 19])
 def test_attention_split_over_units_and_threads_is_bit_identical(k, rows):
     # 19 rows: two full row blocks and a partial one per KV head (9 units).
@@ -315,7 +322,7 @@ def test_attention_split_over_units_and_threads_is_bit_identical(k, rows):
     args = (q, buf, 1, start.numpy(), length, shared[0], k.transpose_values(shared[1]),
             hd**-0.5)
     n = k.units(rows, kv_heads)
-    assert n == kv_heads * -(-rows // k.ROWS_PER_UNIT)
+    assert n == {5: 6, 19: 9}[rows]  # 5 rows: 2 blocks of up to 4 (3 of 8 are too few)
     one_each = tuple((u, u + 1) for u in range(n))
     uneven = ((0, 1), (1, n - 1), (n - 1, n))
     for threads, chunks in ((1, one_each), (2, one_each), (3, one_each), (2, uneven)):

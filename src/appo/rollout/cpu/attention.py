@@ -9,7 +9,8 @@ is one kernel call on numpy views of the same memory:
   and the new keys, and the write of the new keys/values into the batch buffer
   (`[layers, 2, rows, kv_heads, capacity, head_dim]`, `hf_batch`) at the step's column.
 - `attend` (`attend_units`: the work units `lo:hi`, for a split over threads; a unit is
-  one KV head x `ROWS_PER_UNIT` rows): decode attention for one layer, one query per row.
+  one KV head x `ROWS_PER_UNIT` rows, fewer where that makes under `MIN_UNITS` units):
+  decode attention for one layer, one query per row.
   Grouped-query aware: the query heads of one key/value head are handled together. A
   shared prefix (cascade) is two small register-blocked matmuls over every query of the
   unit (`_dots`: scores, then probabilities x the prefix's values, transposed once per
@@ -37,6 +38,9 @@ BLOCK = 32  # columns per online-softmax block: a block of keys/values stays in 
 # Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
 # prefix's matmuls, few enough that a 2-core split has units to balance at 8+ rows.
 ROWS_PER_UNIT = 8
+# Fewer units than this (3 KV heads at 8 rows: 3 units, so one of 2 threads does two) and
+# the rows per unit are halved, down to 2 (`rows_per_unit`).
+MIN_UNITS = 4
 # Reassociation and contraction only: `attend` starts each running max at -inf.
 FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
 # Module-level kernels (numba resolves the helpers they call as globals, so the on-disk
@@ -201,15 +205,24 @@ def transpose_values(pv):  # pragma: no cover - numba
     return out
 
 
+@jit
+def rows_per_unit(rows, kv_heads):  # pragma: no cover - numba
+    # ROWS_PER_UNIT, halved while that makes fewer than MIN_UNITS units (down to 2).
+    per = ROWS_PER_UNIT
+    while per > 2 and kv_heads * -(-rows // per) < MIN_UNITS:
+        per //= 2
+    return per
+
+
 def units(rows: int, kv_heads: int) -> int:
     """How many work units `attend_units` splits a layer's attention into."""
-    return kv_heads * -(-rows // ROWS_PER_UNIT)
+    return kv_heads * -(-rows // rows_per_unit(rows, kv_heads))
 
 
 @jit
 def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pragma: no cover
     # q [B, H, d] -> out [B, H, d] for the work units lo:hi: unit u is KV head
-    # u // blocks and rows ROWS_PER_UNIT * (u % blocks) onwards. Row b attends to the
+    # u // blocks and rows per * (u % blocks) onwards (per = `rows_per_unit`). Row b attends to the
     # shared prefix pk [KV, P, d] / pvt [KV, d, P] (transposed values; P may be 0) and to
     # its own columns first[b]..last of the buffer. Units share nothing and each computes
     # its outputs the same way whatever else runs, so any split of the units over calls
@@ -218,8 +231,9 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
     kv_heads = buf.shape[3]
     group = heads // kv_heads
     prefix = pk.shape[1]
-    blocks = -(-rows // ROWS_PER_UNIT)
-    nq = ROWS_PER_UNIT * group
+    per = rows_per_unit(rows, kv_heads)
+    blocks = -(-rows // per)
+    nq = per * group
     qa = np.empty((nq, d), q.dtype)
     # Scratch with contiguous rows (numba vectorises `_dots` only over C-layout slices).
     ps = np.empty((nq, prefix), q.dtype)
@@ -229,8 +243,8 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
     m = np.empty((nq, 1), q.dtype)
     s = np.empty((nq, 1), q.dtype)
     for u in range(lo, hi):
-        g, r0 = u // blocks, ROWS_PER_UNIT * (u % blocks)
-        r1 = min(rows, r0 + ROWS_PER_UNIT)
+        g, r0 = u // blocks, per * (u % blocks)
+        r1 = min(rows, r0 + per)
         n = (r1 - r0) * group
         # The shared prefix as two small matmuls over every query of the unit: scores,
         # then (after the softmax's exp) probabilities times the values.
@@ -277,7 +291,7 @@ def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover 
     # Every unit in one call.
     rows, kv_heads = q.shape[0], buf.shape[3]
     attend_units(q, buf, layer, first, last, pk, transpose_values(pv), scale, out, 0,
-                 kv_heads * -(-rows // ROWS_PER_UNIT))
+                 kv_heads * -(-rows // rows_per_unit(rows, kv_heads)))
 
 
 @jit
@@ -302,9 +316,18 @@ def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - numba
 
 @jit
 def silu_mul(gate_up, out):  # pragma: no cover - numba
-    # out = silu(gate) * up, gate_up = [gate | up] along the last axis.
+    # out = silu(gate) * up, gate_up = [gate | up] along the last axis. silu(g) = g / (1 +
+    # e^-g), with e = e^-|g| from the vectorised exp (numba's np.exp is a scalar libm call
+    # per element, in float64 for a float32 g): g / (1 + e) for g >= 0, g e / (1 + e) below.
     rows, width = out.shape
+    e = np.empty(width, out.dtype)
+    bits = np.empty(width, np.int32)
+    one = out.dtype.type(1.0)
     for b in range(rows):
         for i in range(width):
+            e[i] = -abs(gate_up[b, i])
+        _exp_nonpositive(e, width, bits)
+        for i in range(width):
             g = gate_up[b, i]
-            out[b, i] = g / (1.0 + np.exp(-g)) * gate_up[b, width + i]
+            s = one / (one + e[i])
+            out[b, i] = g * (s if g >= 0 else e[i] * s) * gate_up[b, width + i]
