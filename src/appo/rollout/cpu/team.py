@@ -9,9 +9,9 @@ spinning on a shared counter (an atomic load and a `pause`) inside a numba funct
 holds no GIL, and run the chunks there too, so a hand-off touches neither the kernel nor
 Python: the caller writes the job (kind, array addresses and shapes) into a shared int64
 array, publishes it by bumping a sequence number, takes chunks itself and spins until
-every chunk is done. A helper that sees no job for `SPIN` rounds (about a millisecond:
-between decode steps, or when no rollout runs) returns to Python and sleeps on an event
-until the next job's caller wakes it; that job is done without it.
+every chunk is done. A helper that sees no job for `SPIN` idle rounds (when no rollout
+runs; a decode step's gaps are shorter) returns to Python and sleeps on an event until the
+next job's caller wakes it; that job is done without it.
 
 Jobs: the numba matmul kernels (`appo.rollout.cpu.kernels`, `x @ w^T` on C-contiguous
 float32 arrays) and the fused step's attention (`attention.attend_units`, float32). Any
@@ -57,7 +57,8 @@ MAX_HELPERS = 64
 # Job kinds: the matmul kernels by `kernels.BUILDERS` name, then attention.
 KINDS = {"row": 0, "wide": 1, "tile": 2}
 ATTENTION = 3
-# Idle rounds (an atomic load and a pause each, ~20-50 ns) before a helper sleeps.
+# Idle rounds (an atomic load and a pause each, a `sched_yield` every YIELD_EVERY) before
+# a helper sleeps: ~12 ms on a 2-core Zen 3 VM, most of it in the yields (RESULTS.md).
 SPIN = 40_000
 # Idle rounds between two `sched_yield` calls (any other thread wanting the core gets it).
 YIELD_EVERY = 64
