@@ -155,7 +155,7 @@ def test_attention_through_the_team_equals_one_call_bit_for_bit(team, rows, pref
         assert np.array_equal(out, whole), threads
 
 
-def test_other_dtypes_and_layouts_take_the_queue_path(team, monkeypatch):
+def test_other_dtypes_layouts_and_thread_counts_take_the_queue_path(team, monkeypatch):
     calls = []
     monkeypatch.setattr(team.split, "run", lambda *a: calls.append(a))
     w = np.zeros((512, 64))  # float64: not a team job
@@ -163,7 +163,12 @@ def test_other_dtypes_and_layouts_take_the_queue_path(team, monkeypatch):
     w32 = np.zeros((64, 512), np.float32).T  # not C-contiguous
     team.run(kernels.kernel_for("row"), np.zeros((2, 64), np.float32), w32,
              np.zeros((2, 512), np.float32), 2)
-    assert len(calls) == 2
+    jobs = int(team._TEAM.ctl[team.SEQ])
+    # More threads than the team serves: the queue's sleeping helpers.
+    team.run(kernels.kernel_for("row"), np.zeros((2, 64), np.float32),
+             np.zeros((512, 64), np.float32), np.zeros((2, 512), np.float32),
+             team.MAX_THREADS + 1)
+    assert len(calls) == 3 and int(team._TEAM.ctl[team.SEQ]) == jobs
 
 
 def test_the_engine_decodes_the_same_with_the_team_on_or_off(team, monkeypatch):

@@ -14,8 +14,9 @@ runs; a decode step's gaps are shorter) returns to Python and sleeps on an event
 next job's caller wakes it; that job is done without it.
 
 Jobs: the numba matmul kernels (`appo.rollout.cpu.kernels`, `x @ w^T` on C-contiguous
-float32 arrays) and the fused step's attention (`attention.attend_units`, float32). Any
-other kernel, layout or dtype takes `split`'s path. Chunks are the same as `split`'s and
+float32 arrays) and the fused step's attention (`attention.attend_units`, float32), at
+most `MAX_THREADS` threads. Any other kernel, layout, dtype or thread count takes `split`'s
+path. Chunks are the same as `split`'s and
 each runs the same compiled kernel on arrays of the same type and layout, so results are
 bit-identical to one call over all columns, whatever thread takes which chunk.
 
@@ -54,14 +55,22 @@ KIND, CHUNKS, BOUNDS, HELPERS, LAYER, LAST, STALL = 24, 25, 26, 27, 28, 29, 30
 FIELDS = 32  # addresses and shapes from here
 TAKEN = 64  # + helper number: chunks that helper has run (one writer each)
 MAX_HELPERS = 64
+# More threads than this take `split`'s sleeping helpers: spinning helpers were measured
+# at 2 threads only, and on a machine with more visible cores than it may use (a CPU
+# quota) many spinning threads would crowd out the work.
+MAX_THREADS = 4
 # Job kinds: the matmul kernels by `kernels.BUILDERS` name, then attention.
 KINDS = {"row": 0, "wide": 1, "tile": 2}
 ATTENTION = 3
 # Idle rounds (an atomic load and a pause each, a `sched_yield` every YIELD_EVERY) before
-# a helper sleeps: ~12 ms on a 2-core Zen 3 VM, most of it in the yields (RESULTS.md).
+# a helper sleeps: ~2 ms on a 2-core Zen 3 VM (RESULTS.md), longer than a decode step's
+# gaps between kernels.
 SPIN = 40_000
 # Idle rounds between two `sched_yield` calls (any other thread wanting the core gets it).
 YIELD_EVERY = 64
+# The same for a caller waiting for its helpers' last chunks (rarer: each yield is a
+# system call, ~1.5 us, that delays seeing the job done).
+WAIT_YIELD_EVERY = 1024
 _X86 = platform.machine().lower() in {"x86_64", "amd64", "i686", "i386"}
 _YIELD = sys.platform != "win32"
 
@@ -253,7 +262,11 @@ def _lead(ctl, fctl, tag, count):  # pragma: no cover - numba
     _store(ctl, DONE, 0)
     _store(ctl, SEQ, tag)
     _take_chunks(ctl, fctl, tag, -1)
+    waited = 0
     while _load(ctl, DONE) < count:
+        waited += 1
+        if waited % WAIT_YIELD_EVERY == 0:  # a helper preempted mid-chunk may need this core
+            _yield()
         _pause()
 
 
@@ -341,8 +354,8 @@ class Team:
 
     def run(self, job, args: tuple, chunks: tuple[tuple[int, int], ...], threads: int) -> bool:
         """Run `job(ctl, fctl, bounds, helpers, *args)`; False (nothing run) when another
-        Python thread is using the team."""
-        if not self.busy.acquire(blocking=False):
+        Python thread is using the team, or for more than `MAX_THREADS` threads."""
+        if threads > MAX_THREADS or not self.busy.acquire(blocking=False):
             return False
         try:
             self._rouse(threads - 1)
