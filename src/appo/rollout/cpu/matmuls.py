@@ -59,12 +59,12 @@ def head_in_blocks(x: Tensor, weight: Tensor) -> Tensor:
 
 @functools.cache
 def _splitter():
-    """How the kernels' chunks reach the threads: `appo.rollout.cpu.team` (spinning
-    helpers) unless `APPO_CPU_TEAM=0`, else `split`'s queue. Imported on the first kernel
-    matmul (it imports numba)."""
-    from appo.rollout.cpu import split, team
+    """How the kernels' chunks reach the threads: `appo.rollout.cpu.team.run` (spinning
+    helpers; it hands to `split`'s queue itself where it does not apply, e.g. with
+    `APPO_CPU_TEAM=0`). Imported on the first kernel matmul (it imports numba)."""
+    from appo.rollout.cpu import team
 
-    return team.run if team.enabled() else split.run
+    return team.run
 
 
 def _numba_linear(kind: str):

@@ -102,13 +102,21 @@ def _store(typingctx, arr, idx, val):
     return types.void(arr, idx, val), codegen
 
 
-@intrinsic
-def _fetch_add(typingctx, arr, idx, val):
-    """`arr[idx] += val` atomically; returns the value before."""
-    def codegen(context, builder, sig, args):
-        return builder.atomic_rmw("add", _element(context, builder, sig, args), args[2],
-                                  "acq_rel")
-    return types.int64(arr, idx, val), codegen
+def _read_modify_write(op: str):
+    @intrinsic
+    def rmw(typingctx, arr, idx, val):
+        """`arr[idx] = arr[idx] <op> val` atomically (acquire and release); returns the
+        value before."""
+        def codegen(context, builder, sig, args):
+            return builder.atomic_rmw(op, _element(context, builder, sig, args), args[2],
+                                      "acq_rel")
+        return types.int64(arr, idx, val), codegen
+    return rmw
+
+
+# `_fetch_add`: `arr[idx] += val`; `_exchange`: `arr[idx] = val`, ordered before every
+# later store.
+_fetch_add, _exchange = _read_modify_write("add"), _read_modify_write("xchg")
 
 
 @intrinsic
@@ -119,15 +127,6 @@ def _compare_exchange(typingctx, arr, idx, expected, val):
                                "acq_rel", "acquire")
         return builder.extract_value(pair, 1)
     return types.boolean(arr, idx, expected, val), codegen
-
-
-@intrinsic
-def _exchange(typingctx, arr, idx, val):
-    """`arr[idx] = val` atomically, ordered before every later store."""
-    def codegen(context, builder, sig, args):
-        return builder.atomic_rmw("xchg", _element(context, builder, sig, args), args[2],
-                                  "acq_rel")
-    return types.int64(arr, idx, val), codegen
 
 
 @intrinsic
