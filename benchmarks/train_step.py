@@ -18,6 +18,12 @@ part (2) reports that TRL is missing. Torch uses 2 threads in both children (`--
 
     .venv/bin/python benchmarks/train_step.py            # full run, writes results/train_step.md
     .venv/bin/python benchmarks/train_step.py --quick    # tiny-test model, 1 timed step, no write
+    .venv/bin/python benchmarks/train_step.py --part 2 --base ../appo-base  # before / after
+
+`--base TREE` adds a third part-(2) worker, `appo-base`: the same appo worker with TREE's `src`
+first on the path (a git worktree of the commit before a change), run in the same script
+run, so a change's effect on the step is a ratio of two figures taken side by side.
+`--part 2` skips part (1) (and writes no results file).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import resource
 import statistics
@@ -92,6 +99,7 @@ def appo_config(model: str, tools: bool, response_len: int, strategy: str, out: 
 def worker_appo(args) -> dict:
     import torch
 
+    import appo
     from appo.trainer.loop import RLTrainer
 
     torch.set_num_threads(args.threads)
@@ -120,6 +128,7 @@ def worker_appo(args) -> dict:
     out = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     out["step_walls"] = [s["wall"] for s in steps]
     out["peak_rss_mb"] = peak_rss_mb()
+    out["appo_src"] = str(Path(appo.__file__).resolve().parent)  # which tree ran (--base)
     if bounds:
         out["bounds"] = bounds
     return out
@@ -226,9 +235,14 @@ def worker_trl(args) -> dict:
             "trl_version": trl.__version__}
 
 
-def run_child(kind: str, extra: list[str]) -> dict:
+def run_child(kind: str, extra: list[str], src: Path | None = None) -> dict:
+    """One worker in its own process; `src` puts another appo tree first on its path."""
     cmd = [sys.executable, __file__, "--worker", kind, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = None
+    if src is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(src)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -248,7 +262,13 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="appo config override for the appo workers (repeatable)")
     p.add_argument("--part1-json", help="reuse part (1) from an earlier run (its printed JSON)")
+    p.add_argument("--part", choices=["all", "2"], default="all",
+                   help="2: part (2) only (no results file written)")
+    p.add_argument("--base", type=Path, help="an appo checkout (a worktree of the commit "
+                   "before a change): part (2) also runs its appo, as worker appo-base")
     args = p.parse_args()
+    if args.base is not None and not (args.base / "src" / "appo").is_dir():
+        raise SystemExit(f"--base {args.base}: no src/appo there (expected an appo checkout)")
     if args.worker:
         result = worker_appo(args) if args.worker == "appo" else worker_trl(args)
         print("RESULT " + json.dumps(result), flush=True)
@@ -257,17 +277,29 @@ def main() -> None:
     steps = "1" if args.quick else str(args.steps)
     common = ["--model", model, "--steps", steps, "--threads", str(args.threads)]
     appo_common = common + [f"--set={x}" for x in args.set]
-    if args.part1_json:
+    if args.part == "2":
+        part1 = None
+    elif args.part1_json:
         part1 = json.loads(Path(args.part1_json).read_text())
     else:
         part1 = run_child("appo", appo_common + ["--response-len", "256", "--strategy", "arpo",
                                             "--tools"])
-    print("part 1 (appo, arpo + python, 16 x 256):", json.dumps(part1), flush=True)
-    appo2 = run_child("appo", appo_common + ["--response-len", "64", "--strategy", "grpo"])
+    if part1 is not None:
+        print("part 1 (appo, arpo + python, 16 x 256):", json.dumps(part1), flush=True)
+    part2 = appo_common + ["--response-len", "64", "--strategy", "grpo"]
+    appo2 = run_child("appo", part2)
     print("part 2 appo:", json.dumps(appo2), flush=True)
+    if args.base is not None:
+        base2 = run_child("appo", part2, src=(args.base / "src").resolve())
+        print(f"part 2 appo-base ({args.base}):", json.dumps(base2), flush=True)
+        print(f"part 2: appo-base / appo per step = {base2['wall'] / appo2['wall']:.2f}x "
+              f"(rollout {base2['time/rollout'] / appo2['time/rollout']:.2f}x, update "
+              f"{base2['time/update'] / appo2['time/update']:.2f}x)", flush=True)
     trl2 = run_child("trl", common + ["--response-len", "64"])
     print("part 2 trl:", json.dumps(trl2), flush=True)
-    if not args.quick:
+    if "wall" in trl2:
+        print(f"part 2: TRL / appo per step = {trl2['wall'] / appo2['wall']:.2f}x", flush=True)
+    if not args.quick and part1 is not None:
         write_results(part1, appo2, trl2)
 
 

@@ -127,7 +127,7 @@ def test_config_explain_a_group_and_a_tool_entry(capsys):
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ") and line] \
         == ["actor.optim.lr", "actor.optim.weight_decay", "actor.optim.betas",
-            "actor.optim.lr_warmup_steps_ratio", "actor.optim.lr_scheduler",
+            "actor.optim.fused", "actor.optim.lr_warmup_steps_ratio", "actor.optim.lr_scheduler",
             "tools.tool_instances.<name>.params"]
 
 

@@ -351,6 +351,9 @@ class SFTConfig:
     lr: float = 5e-5
     # AdamW weight decay.
     weight_decay: float = 0.0
+    # AdamW's implementation, as actor.optim.fused: null picks torch's fused kernel on the
+    # CPU (the same update up to float rounding).
+    fused: bool | None = None
     # Share of the optimizer steps with a linear learning-rate warm-up.
     warmup_ratio: float = 0.1
     # Clip the gradient's global norm to this (inf: no clipping).

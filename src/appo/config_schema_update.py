@@ -17,6 +17,10 @@ class OptimConfig:
     weight_decay: float = 0.0
     # AdamW betas (beta1, beta2).
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # AdamW's implementation (the same update up to float rounding): null picks torch's
+    # fused kernel for a model on the CPU (not under FSDP), torch's default elsewhere;
+    # true / false force it (appo.trainer.optim).
+    fused: bool | None = None
     # Share of the run's steps with a linear learning-rate warm-up from 0.
     lr_warmup_steps_ratio: float = 0.0
     # After warm-up: constant, or cosine decay to 0 at the last step.

@@ -171,7 +171,7 @@ def test_a_forked_child_gets_fresh_helpers():
         os.waitpid(pid, 0)
 
 
-@pytest.mark.parametrize("name", ["numba", "numba_wide", "numba_tile"])
+@pytest.mark.parametrize("name", ["numba", "numba_wide", "numba_tile", "numba_panel"])
 def test_engine_decode_is_bit_identical_with_split_kernels(name, monkeypatch,
                                                            split_everything):
     from rollout_fakes import Recorder

@@ -293,6 +293,37 @@ def test_engine_leaves_the_trainer_model_untouched_and_follows_weight_updates(lm
             target.weight.copy_(saved)
 
 
+def test_lean_decode_checks_the_weights_once_per_call_and_follows_updates(lm, monkeypatch):
+    # The lean decoder's weight check walks every parameter; a decode call does it once
+    # (its steps change no weight), and the next call still sees an in-place update.
+    from appo.rollout.cpu.lean import LeanDecoder
+
+    tok, model = lm.tokenizer, lm.model
+    eng = HFEngine(model, tok, seed=3)
+    assert eng._lean is not None
+    walks = []
+    real = LeanDecoder._version_key
+    monkeypatch.setattr(LeanDecoder, "_version_key",
+                        lambda self: walks.append(1) or real(self))
+    rec = Recorder(eng)
+    rows = rec.fork(eng.add_row(tok.encode("pinned weights")), 2)
+    outs = rec.decode(rows, [12, 12], SamplingParams())
+    assert max(len(o.token_ids) for o in outs) >= 6  # enough steps to tell the two apart
+    assert 1 <= len(walks) <= 3  # prefill and the decode loop's one check, not per step
+    target = model.model.layers[1].self_attn.o_proj
+    with torch.no_grad():
+        saved = target.weight.clone()
+        target.weight.mul_(2.0)
+    try:
+        fresh = rec.fork(eng.add_row(tok.encode("after the update")), 1)
+        rec.decode(fresh, [6], SamplingParams())
+        assert rec.max_error(model, fresh[0]) < TOL
+    finally:
+        with torch.no_grad():
+            target.weight.copy_(saved)
+    assert not eng._lean._pinned  # the block ended
+
+
 def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):
     # Rows share a prefix longer than MIN_CASCADE_PREFIX (a group's prompt, and under it a
     # second prompt with the same start), so decode attention reads the prefix once.

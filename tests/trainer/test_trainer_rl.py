@@ -101,6 +101,14 @@ def test_freeze_embeddings_keeps_the_tied_embeddings(toy):
     assert any(not torch.equal(params[n], p) for n, p in others.items())
 
 
+def test_the_trainer_builds_its_adamw_from_actor_optim_fused(toy):
+    # CPU: torch's fused AdamW unless the key says otherwise (appo.trainer.optim).
+    assert RLTrainer(toy_config(toy), progress=False).optimizer.defaults["fused"] is True
+    off = RLTrainer(toy_config(toy, "actor.optim.fused=false", "trainer.overwrite=true"),
+                    progress=False)
+    assert not off.optimizer.defaults["fused"]
+
+
 def test_later_mini_batches_are_scored_against_the_behaviour_policy(toy):
     # Two prompts, one per mini-batch: the second optimizer step sees a policy the first one
     # moved, so its ratio must use log-probs computed before the update (verl's

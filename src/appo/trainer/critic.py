@@ -40,6 +40,7 @@ from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import shard_model, to_float
 from appo.trainer.guards import CRITIC_HINT, check_finite
+from appo.trainer.optim import adamw
 from appo.trainer.precision import autocast
 
 
@@ -137,8 +138,7 @@ class Critic:
         self.compute_dtype = compute_dtype
         o = c.optim
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
-                                           betas=tuple(o.betas))
+        self.optimizer = adamw(self.params, o.lr, o.weight_decay, tuple(o.betas), o.fused)
         self.scheduler = _scheduler(self.optimizer, o, total_steps * self.epochs * max(
             1, math.ceil(cfg.data.train_batch_size / self.mini_batch_size)))
 

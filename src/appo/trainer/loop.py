@@ -45,6 +45,7 @@ from appo.trainer.fsdp import (
 from appo.trainer.memory import apply_memory_target, memory_options, trim_freed_memory
 from appo.trainer.metrics import StepTimer, peak_rss_mb, rollout_metrics
 from appo.trainer.objects import PythonObjects
+from appo.trainer.optim import adamw
 from appo.trainer.precision import master_dtype, train_compute_dtype
 from appo.trainer.rundir import agree_run_dir
 from appo.trainer.update import batched_logprobs, kl_coef, needs_old_logp, update_policy
@@ -426,10 +427,8 @@ class RLTrainer:
             gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam, gae_whiten=cfg.algorithm.gae_whiten,
         )
         o = cfg.actor.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-        )
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad],
+                               o.lr, o.weight_decay, tuple(o.betas), o.fused)
         self.scheduler = self._make_scheduler()
         # PPO's value model, from the policy's starting weights (under FSDP: its whole
         # replica) or critic.model.path.

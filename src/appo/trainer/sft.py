@@ -23,6 +23,7 @@ import torch
 from appo.trainer.checkpoint import save_checkpoint
 from appo.trainer.guards import SFT_HINT, check_finite
 from appo.trainer.metrics import MetricsLogger
+from appo.trainer.optim import adamw
 from appo.trainer.rundir import unique_run_dir
 
 
@@ -153,11 +154,8 @@ def train_sft(
     total_steps = steps_per_epoch * params.epochs
     if params.max_steps is not None:
         total_steps = min(total_steps, params.max_steps)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=params.lr,
-        weight_decay=params.weight_decay,
-    )
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], params.lr,
+                      params.weight_decay, fused=getattr(params, "fused", None))
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, int(params.warmup_ratio * total_steps), total_steps
     )

@@ -200,8 +200,15 @@ def _build_tile():
     return weight_triples_times_row_quads
 
 
-# Kernel kind -> its builder (numba compiles on the first call of each).
-BUILDERS = {"row": _build, "wide": _build_wide, "tile": _build_tile}
+def _build_panel():
+    from appo.rollout.cpu import panels  # LLVM IR intrinsics: imported with numba only
+
+    return panels.build()
+
+
+# Kernel kind -> its builder (numba compiles on the first call of each). "panel" takes
+# weights packed by `appo.rollout.cpu.panels` (`linear_numpy` packs them).
+BUILDERS = {"row": _build, "wide": _build_wide, "tile": _build_tile, "panel": _build_panel}
 _built: dict[str, object] = {}
 
 
@@ -266,7 +273,16 @@ def linear_numpy(x: np.ndarray, weight: Tensor, bias: Tensor | None = None,
     tensor <-> numpy conversion is several dispatched op calls."""
     # numpy's own empty array: `torch.empty(...).numpy()` costs five more op calls.
     out = np.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    (run or split.run)(kernel_for(kind), x, _weight_array(weight), out,
+    if kind == "panel":
+        from appo.rollout.cpu import panels
+
+        if panels.fits(weight) and x.dtype == np.float32:
+            w = panels.packed(weight)
+        else:  # float64 (tests) or N not a multiple of 16: the tile kernel, plain weights
+            kind, w = "tile", _weight_array(weight)
+    else:
+        w = _weight_array(weight)
+    (run or split.run)(kernel_for(kind), x, w, out,
                        torch.get_num_threads() if threads is None else threads)
     if bias is not None:
         out += _weight_array(bias)

@@ -26,6 +26,7 @@ splits) makes `LeanDecoder.supports` False and the engine uses the model's own f
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,7 @@ class LeanDecoder:
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self._key: tuple | None = None
+        self._pinned = False  # inside `pinned()`: the weights are known not to change
         self._layers: list[_Layer] = []
         weight = next(model.parameters())
         self.dtype = weight.dtype
@@ -169,15 +171,36 @@ class LeanDecoder:
         self._layers = layers
 
     def drop(self) -> None:
-        """Free the packed copies; the next forward packs them again."""
+        """Free the packed copies (the panel kernel's too); the next forward packs them
+        again."""
         self._layers, self._key = [], None
+        if self.cpu_kernel:
+            from appo.rollout.cpu import panels  # imports numba: only with the kernels
+
+            panels.drop()
 
     def refresh(self) -> None:
+        """Repack the weights if any changed since the last pack (version counters and
+        storage of every parameter: a walk over all modules, ~1 ms on SmolLM2)."""
+        if self._pinned:
+            return
         key = self._version_key()
         if key != self._key:
             self._layers = []  # drop the old copies before making new ones
             self._pack()
             self._key = key
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """Refresh once, then skip the per-forward check until the block ends: an engine's
+        decode loop changes no weight between its steps, and walking every parameter each
+        step cost a few percent of a small model's decode step."""
+        self.refresh()
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
 
     def matrices(self) -> list[Tensor]:
         """The weights a decode step multiplies, in order: every layer's packed QKV, O,

@@ -115,7 +115,8 @@ class Implementation:
 
 
 # The numba implementations and their kernels (`kernels.BUILDERS`).
-KERNEL_KINDS = {"numba": "row", "numba_wide": "wide", "numba_tile": "tile"}
+KERNEL_KINDS = {"numba": "row", "numba_wide": "wide", "numba_tile": "tile",
+                "numba_panel": "panel"}
 
 
 def _numba(name: str, kind: str) -> Implementation:
@@ -186,9 +187,10 @@ RULES: dict[str, MatmulRule] = {
     # AMD EPYC Zen 4: the row kernel up to 7 rows, the wide one from 8 (on a Zen 5 the
     # wide one led from 6 rows, by little).
     "amd-avx512": MatmulRule.parse("1:numba,8:numba_wide"),
-    # AMD EPYC Zen 3: the row kernel up to 12 rows, the tile kernel from 16 (2 threads:
-    # MKL's threaded GEMM at 16-32 rows was slower, and far slower on a busy machine).
-    "amd-avx2": MatmulRule.parse("1:numba,16:numba_tile"),
+    # AMD EPYC Zen 3: the panel kernel at every row count (faster than the row and tile
+    # kernels it replaced at 1-32 rows, 1 and 2 threads; MKL's threaded GEMM at 16-32 rows
+    # was slower still, and far slower on a busy machine).
+    "amd-avx2": MatmulRule.parse("numba_panel"),
     # Intel Xeon (Emerald Rapids): MKL at 1-3 rows and from 16 rows up, the wide kernel
     # in between.
     "intel-avx512": MatmulRule.parse("1:torch,4:numba_wide,16:torch"),

@@ -17,7 +17,9 @@ nothing, so the split changes no bit:
    probabilities as torch's cumsum, is `<= 1 - top_p`; the best token always stays). So
    both masks are one lower bound `lo` on `z`.
 2. `e = float32(exp(z - max))` for kept tokens (0 for the others), stored; `S = sum e` and
-   `A = sum e (z - max)` in float64. Then `log Z = max + log S`, the entropy
+   `A = sum e (z - max)` in float64. The float64 exp is a polynomial LLVM vectorises
+   (`_exp_block`, over blocks of `EXP_BLOCK` logits), within ~1e-14 of libm's, so `e`
+   rounds to the same float32 but in the rarest cases. Then `log Z = max + log S`, the entropy
    `H = log S - A / S` (`-sum p log p` with `p = e / S`), the chosen token's log-prob
    `z[id] - log Z`, and the top-k entropy proxy from the heap's `TOPK_ENTROPY_K` values.
 3. The draw: the same uniform `r` per row as the torch path (one `torch.rand((B, 1),
@@ -59,6 +61,7 @@ from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 # could disagree; plain IEEE math keeps them the same sum (and -inf logits well-defined).
 jit = numba.njit(fastmath=False, boundscheck=False, nogil=True, cache=True)
 _NO_SEEN = np.zeros((1, 0), np.bool_)  # no penalty: a row of nothing
+EXP_BLOCK = 2048  # logits per exp block: its float64 scratch (16 KB) stays in L1
 _C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
             torch.bool: ctypes.c_bool}
 
@@ -123,12 +126,44 @@ def _top_p_bound(z, lo, thr, cand):  # pragma: no cover - numba
 
 
 @jit
+def _exp_block(d, n):  # pragma: no cover - numba
+    # d[:n] = exp(d[:n]) for float64 d <= 0 (NaN-free), in a loop LLVM vectorises (numba's
+    # np.exp is a scalar libm call per element: most of a row's time before). x = k ln2 + r
+    # (ln2 in two parts, Cody-Waite), |r| <= ln2 / 2, e^r by its Taylor series to r^12
+    # (relative error < 1e-14), 2^k written into the exponent bits. Its result rounded to
+    # float32 equals libm's exp rounded to float32 but where the exact value lies within
+    # ~1e-14 of a float32 rounding boundary. d below -700 counts as -700: e^-700 is 0 in
+    # float32 either way.
+    bits = d.view(np.int64)
+    for j in range(n):
+        x = max(d[j], -700.0)
+        k = np.floor(x * 1.4426950408889634 + 0.5)
+        r = (x - k * 0.6931471803691238) - k * 1.9082149292705877e-10
+        p = 1.0 / 479001600.0
+        p = p * r + 1.0 / 39916800.0
+        p = p * r + 1.0 / 3628800.0
+        p = p * r + 1.0 / 362880.0
+        p = p * r + 1.0 / 40320.0
+        p = p * r + 1.0 / 5040.0
+        p = p * r + 1.0 / 720.0
+        p = p * r + 1.0 / 120.0
+        p = p * r + 1.0 / 24.0
+        p = p * r + 1.0 / 6.0
+        p = p * r + 0.5
+        p = p * r + 1.0
+        d[j] = p * r + 1.0
+        # via int32 (AVX2 converts float64 vectors to int32, not to int64)
+        bits[j] = bits[j] + (np.int64(np.int32(k)) << np.int64(52))
+
+
+@jit
 def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scratch, heaps,
-                ids, logp, ent, ent_top, lo_row, hi_row):  # pragma: no cover - numba
+                exps, ids, logp, ent, ent_top, lo_row, hi_row):  # pragma: no cover - numba
     """Rows `lo_row:hi_row` of `logits` `[B, V]` float32 -> `ids`, `logp`, `ent`, `ent_top`
     `[B]`. `seen` `[B, V]` bool (or `[1, 0]`: no penalty), `uniforms` `[B]` float64,
-    `scratch` `[B, V]` float32 and `heaps` `[B, H]` float32 work space (`H` =
-    `max(top_k, TOPK_ENTROPY_K)` clipped to `V`). `temperature <= 0`: greedy."""
+    `scratch` `[B, V]` float32, `heaps` `[B, H]` float32 and `exps` `[B, W]` float64 work
+    space (`H` = `max(top_k, TOPK_ENTROPY_K)` clipped to `V`; `W` = `EXP_BLOCK`).
+    `temperature <= 0`: greedy."""
     vocab = logits.shape[1]
     use_seen = seen.shape[1] > 0 and penalty != 1.0
     pen = np.float32(penalty)
@@ -165,16 +200,23 @@ def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scra
         s = 0.0
         a = 0.0
         mf = np.float64(m)
-        for i in range(vocab):  # pass 2: unnormalised probabilities and their sums
-            v = z[i]
-            if v >= lo and v > -np.inf:
-                d = np.float64(v) - mf
-                e = np.float32(np.exp(d))
-                z[i] = e
-                s += e
-                a += e * d
-            else:
-                z[i] = 0.0
+        block = exps[r]
+        width = block.shape[0]
+        for b0 in range(0, vocab, width):  # pass 2: unnormalised probabilities, their sums
+            n = min(width, vocab - b0)
+            for j in range(n):  # a loop LLVM vectorises, exp included (`_exp_block`)
+                block[j] = np.float64(z[b0 + j]) - mf
+            _exp_block(block, n)
+            for j in range(n):  # the sums in order, as before the blocks
+                i = b0 + j
+                v = z[i]
+                if v >= lo and v > -np.inf:
+                    e = np.float32(block[j])
+                    z[i] = e
+                    s += e
+                    a += e * (np.float64(v) - mf)
+                else:
+                    z[i] = 0.0
         log_s = np.log(s)
         log_z = mf + log_s
         ent[r] = log_s - a / s
@@ -222,10 +264,11 @@ def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Genera
     width = min(max(k if 0 < k < vocab else 0, TOPK_ENTROPY_K), vocab)
     scratch = np.empty((0, vocab) if greedy else (rows, vocab), np.float32)
     heaps = np.empty((rows, width), np.float32)
+    exps = np.empty((0, EXP_BLOCK) if greedy else (rows, EXP_BLOCK))
     ids = np.empty(rows, np.int64)
     logp, ent, ent_top = (np.empty(rows, np.float32) for _ in range(3))
     args = (x, s, float(params.repetition_penalty), float(params.temperature), k,
-            float(params.top_p), uniforms, scratch, heaps, ids, logp, ent, ent_top)
+            float(params.top_p), uniforms, scratch, heaps, exps, ids, logp, ent, ent_top)
     threads = torch.get_num_threads() if threads is None else threads
     units = tuple((r, r + 1) for r in range(rows)) if threads > 1 and rows > 1 else ((0, rows),)
     split.run_chunks(sample_rows, args, units, threads)

@@ -48,7 +48,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from appo.rollout.cpu import attention, kernels, split
+from appo.rollout.cpu import attention, kernels, panels, split
 
 SEQ, NEXT, DONE = 0, 8, 16  # one 64-byte line each
 KIND, CHUNKS, BOUNDS, HELPERS, LAYER, LAST, STALL = 24, 25, 26, 27, 28, 29, 30
@@ -60,8 +60,8 @@ MAX_HELPERS = 64
 # quota) many spinning threads would crowd out the work.
 MAX_THREADS = 4
 # Job kinds: the matmul kernels by `kernels.BUILDERS` name, then attention.
-KINDS = {"row": 0, "wide": 1, "tile": 2}
-ATTENTION = 3
+KINDS = {"row": 0, "wide": 1, "tile": 2, "panel": 3}
+ATTENTION = len(KINDS)
 # Idle rounds (an atomic load and a pause each, a `sched_yield` every YIELD_EVERY) before
 # a helper sleeps: ~2 ms on a 2-core Zen 3 VM (RESULTS.md), longer than a decode step's
 # gaps between kernels.
@@ -164,7 +164,7 @@ def _pointer_to(dtype):
 
 
 _f32_at, _i64_at = _pointer_to(types.float32), _pointer_to(types.int64)
-_ROW, _WIDE, _TILE = (kernels.kernel_for(kind) for kind in KINDS)
+_ROW, _WIDE, _TILE, _PANEL = (kernels.kernel_for(kind) for kind in KINDS)
 jit = numba.njit(nogil=True, cache=True)
 
 
@@ -190,8 +190,10 @@ def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
         _ROW(x, w, out, lo, hi)
     elif kind == 1:
         _WIDE(x, w, out, lo, hi)
-    else:
+    elif kind == 2:
         _TILE(x, w, out, lo, hi)
+    else:  # `w` holds packed panels (`appo.rollout.cpu.panels`)
+        _PANEL(x, w, out, lo, hi)
 
 
 @jit
@@ -298,9 +300,10 @@ def _attention(ctl, fctl, bounds, helpers, q, buf, layer, first, last, pk, pvt, 
 JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _matmul, _attention)
 
 
-def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__)) -> bool:
+def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
+                                         panels.__file__)) -> bool:
     """numba's cache checks only the defining file (this one), but the job functions
-    embed the kernels of `kernels.py` and `attention.py`: their cached code is dropped
+    embed the kernels of `kernels.py`, `attention.py` and `panels.py`: their cached code is dropped
     (True) when those files differ from the stamp kept beside the cache."""
     try:
         stamp = hashlib.sha256(b"".join(Path(p).read_bytes() for p in sources)).hexdigest()
@@ -423,10 +426,10 @@ def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int) -> Non
 def warm() -> None:
     """Compile (or load from numba's cache) every job's signature, on small arrays: the
     tiny models of the tests never split a matmul or an attention."""
-    x, w = np.zeros((2, 8), np.float32), np.zeros((48, 8), np.float32)
-    out = np.empty((2, 48), np.float32)
+    x, w = np.zeros((2, 8), np.float32), np.zeros((96, 8), np.float32)
+    out = np.empty((2, 96), np.float32)
     for kind in KINDS.values():
-        _TEAM.run(_matmul, (kind, x, w, out), ((0, 24), (24, 48)), 2)
+        _TEAM.run(_matmul, (kind, x, w, out), ((0, 48), (48, 96)), 2)
     q = np.ones((2, 2, 4), np.float32)
     buf = np.ones((1, 2, 2, 1, 3, 4), np.float32)
     pk, pvt = np.zeros((1, 0, 4), np.float32), np.zeros((1, 4, 0), np.float32)

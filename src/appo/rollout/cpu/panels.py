@@ -1,0 +1,182 @@
+"""Float32 `x @ W^T` for CPU decode steps on weights packed in column panels, in numba.
+
+The kernels of `appo.rollout.cpu.kernels` dot each weight row with the input rows: LLVM
+vectorises the `K` loop, so every output ends in a horizontal sum, and each multiply-add
+needs its own load of an input vector (7 loads per 12 multiply-adds in the tile kernel).
+Here the weights are packed once into panels of `PANEL` = 16 output columns, `[N / 16, K,
+16]` (k-major inside a panel, so a panel is one contiguous stream), and the microkernel
+keeps a block of up to 6 input rows x 16 columns in 12 vector accumulators: per `k` it
+loads the panel's two 8-float vectors, broadcasts each row's `x[m, k]` and does 12 fused
+multiply-adds (8 loads per 12), with no horizontal sum (the BLIS / GotoBLAS layout). The
+microkernel is written in LLVM IR (a numba intrinsic per row count 1-6: `<8 x float>`
+vectors and `llvm.fma`), so its accumulators stay in registers whatever LLVM's vectoriser
+would have made of scalar code; it needs 15 of AVX2's 16 vector registers.
+
+Exactness: each output is one chain of float32 fused multiply-adds over `k = 0..K-1` from
+0, whatever the row block, panel or thread computed it: results are bit-identical for any
+row count split or column split (the engine's determinism), though not equal to MKL's or
+the other kernels' sums (summation order, as any GEMM).
+
+`packed(weight)` makes the packed copy (cached per weight tensor, repacked when its storage
+or version counter changes, freed with the tensor or by `drop()`); `N` must be a multiple
+of 16 (`fits`), other matrices take the tile kernel. Which row counts use it is the decode
+rule's choice (`appo.rollout.cpu.matmuls`, implementation `numba_panel`); timings in
+`benchmarks/RESULTS.md` ("CPU rollout").
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from torch import Tensor
+
+PANEL = 16  # output columns per panel: two 8-float vectors
+_VEC = 8
+MAX_ROWS = 6  # rows per microkernel call: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+
+
+def _microkernel(rows: int):
+    """The intrinsic `out[r, 0:16] = sum_k x[r, k] * panel[k, 0:16]` for `rows` rows."""
+
+    @intrinsic
+    def micro(typingctx, x_addr, x_stride, w_addr, out_addr, out_stride, k_len):
+        """Addresses as int64; strides in floats; `k_len` >= 1."""
+        sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
+                         types.int64)
+
+        def codegen(context, builder, sig, args):
+            xa, xs, wa, oa, os_, kl = args
+            f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+            vec = ir.VectorType(f32, _VEC)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32")
+            xp, wp, op = (builder.inttoptr(a, f32.as_pointer()) for a in (xa, wa, oa))
+            undef = ir.Constant(vec, ir.Undefined)
+            splat = ir.Constant(ir.VectorType(i32, _VEC), [0] * _VEC)
+            entry = builder.block
+            loop = builder.append_basic_block("panel_k")
+            done = builder.append_basic_block("panel_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            accs = [[builder.phi(vec) for _ in range(2)] for _ in range(rows)]
+            base = builder.mul(k, ir.Constant(i64, PANEL))
+            w = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(
+                base, ir.Constant(i64, v * _VEC))]), vec.as_pointer()), align=4)
+                for v in range(2)]
+            new = []
+            for r in range(rows):
+                xv = builder.load(builder.gep(xp, [builder.add(
+                    builder.mul(ir.Constant(i64, r), xs), k)]), align=4)
+                b = builder.shuffle_vector(
+                    builder.insert_element(undef, xv, ir.Constant(i32, 0)), undef, splat)
+                new.append([builder.call(fma, [b, w[v], accs[r][v]]) for v in range(2)])
+            k1 = builder.add(k, ir.Constant(i64, 1))
+            k.add_incoming(ir.Constant(i64, 0), entry)
+            k.add_incoming(k1, loop)
+            for r in range(rows):
+                for v in range(2):
+                    accs[r][v].add_incoming(ir.Constant(vec, [0.0] * _VEC), entry)
+                    accs[r][v].add_incoming(new[r][v], loop)
+            builder.cbranch(builder.icmp_signed("<", k1, kl), loop, done)
+            builder.position_at_end(done)
+            for r in range(rows):
+                for v in range(2):
+                    at = builder.add(builder.mul(ir.Constant(i64, r), os_),
+                                     ir.Constant(i64, v * _VEC))
+                    builder.store(new[r][v], builder.bitcast(builder.gep(op, [at]),
+                                                             vec.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return micro
+
+
+_M1, _M2, _M3, _M4, _M5, _M6 = (_microkernel(r) for r in range(1, MAX_ROWS + 1))
+
+
+def build():
+    @numba.njit(boundscheck=False, nogil=True, cache=True)
+    def panels_times_rows(x, wp, out, lo, hi):  # pragma: no cover - compiled by numba
+        # Output columns lo:hi (multiples of PANEL); `wp` `[N, K]` holds the panels
+        # `[N / 16, K, 16]` (`pack`). Rows in balanced blocks of at most 6: 8 rows run as
+        # 4 + 4 (8 accumulators each keep both FMA units busy), not 6 + 2.
+        m_rows, k_len = x.shape
+        if m_rows == 0 or k_len == 0:
+            out[:, lo:hi] = 0.0
+            return
+        n_cols = out.shape[1]
+        blocks = (m_rows + MAX_ROWS - 1) // MAX_ROWS
+        size, extra = m_rows // blocks, m_rows % blocks
+        xa, wa, oa = x.ctypes.data, wp.ctypes.data, out.ctypes.data
+        for p in range(lo // PANEL, hi // PANEL):
+            pa = wa + p * k_len * PANEL * 4
+            m0 = 0
+            for b in range(blocks):
+                r = size + (1 if b < extra else 0)
+                xo = xa + m0 * k_len * 4
+                oo = oa + (m0 * n_cols + p * PANEL) * 4
+                if r == 6:
+                    _M6(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 5:
+                    _M5(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 4:
+                    _M4(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 3:
+                    _M3(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 2:
+                    _M2(xo, k_len, pa, oo, n_cols, k_len)
+                else:
+                    _M1(xo, k_len, pa, oo, n_cols, k_len)
+                m0 += r
+
+    return panels_times_rows
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether `weight` `[N, K]` can be packed: float32, `N` a multiple of `PANEL`."""
+    import torch
+
+    return (weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.shape[0] % PANEL == 0 and weight.shape[0] > 0)
+
+
+def pack(weight: np.ndarray) -> np.ndarray:
+    """`[N, K]` -> the same-shape array holding `[N / 16, K, 16]` panels."""
+    n, k = weight.shape
+    panels = np.empty((n // PANEL, k, PANEL), weight.dtype)
+    panels[:] = weight.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
+    return panels.reshape(n, k)
+
+
+_packed: dict[int, tuple[weakref.ref, int, int, np.ndarray]] = {}
+
+
+def packed(weight: Tensor) -> np.ndarray:
+    """`weight`'s packed copy, made on first use and whenever the tensor's storage or
+    version counter (an in-place update: optimizer step, weight sync) has changed."""
+    key = id(weight)
+    # Inference-mode tensors (the lean decoder's packed QKV and gate/up copies) keep no
+    # version counter; they are remade, not updated, when a weight changes.
+    version = -1 if weight.is_inference() else weight._version
+    entry = _packed.get(key)
+    if (entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr()
+            and entry[2] == version):
+        return entry[3]
+    _packed.pop(key, None)  # the stale copy goes before the new one is made
+    array = pack(weight.detach().numpy())
+    _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)),
+                    weight.data_ptr(), version, array)
+    return array
+
+
+def drop() -> None:
+    """Free every packed copy (an engine dropping its weight copies before an update)."""
+    _packed.clear()
