@@ -93,3 +93,11 @@ def test_widths_the_panels_do_not_fit_take_the_tile_kernel(panels):
     got = kernels.linear_numpy(x.numpy(), w, None, "panel", threads=1)
     tile = kernels.linear_numpy(x.numpy(), w, None, "tile", threads=1)
     assert np.array_equal(got, tile)
+
+
+def test_strided_input_rows_are_read_as_their_values(panels):
+    x, w = _case(6, 32, 40, seed=5)
+    strided = x.numpy().repeat(2, axis=1)[:, ::2]  # same values, every other float
+    assert not strided.flags.c_contiguous
+    got = kernels.linear_numpy(strided, w, None, "panel", threads=1)
+    assert np.array_equal(got, kernels.linear_numpy(x.numpy(), w, None, "panel", threads=1))

@@ -277,10 +277,16 @@ def test_engine_leaves_the_trainer_model_untouched_and_follows_weight_updates(lm
     assert linears[0].weight.grad is not None
     model.zero_grad()
     # An in-place update (as an optimizer step does) is seen by the next decode.
-    target = model.model.layers[0].mlp.down_proj
+    _next_decode_sees_an_update(eng, rec, model, model.model.layers[0].mlp.down_proj, 3.0)
+
+
+def _next_decode_sees_an_update(eng, rec, model, target, factor: float) -> None:
+    """Scale `target`'s weight in place (as an optimizer step writes it): the next decode
+    matches the updated model, and not the old one; the weight is restored after."""
+    tok = eng.tokenizer
     with torch.no_grad():
         saved = target.weight.clone()
-        target.weight.mul_(3.0)
+        target.weight.mul_(factor)
     try:
         fresh = rec.fork(eng.add_row(tok.encode("after the update")), 1)
         rec.decode(fresh, [8], SamplingParams())
@@ -310,18 +316,27 @@ def test_lean_decode_checks_the_weights_once_per_call_and_follows_updates(lm, mo
     outs = rec.decode(rows, [12, 12], SamplingParams())
     assert max(len(o.token_ids) for o in outs) >= 6  # enough steps to tell the two apart
     assert 1 <= len(walks) <= 3  # prefill and the decode loop's one check, not per step
-    target = model.model.layers[1].self_attn.o_proj
-    with torch.no_grad():
-        saved = target.weight.clone()
-        target.weight.mul_(2.0)
-    try:
-        fresh = rec.fork(eng.add_row(tok.encode("after the update")), 1)
-        rec.decode(fresh, [6], SamplingParams())
-        assert rec.max_error(model, fresh[0]) < TOL
-    finally:
-        with torch.no_grad():
-            target.weight.copy_(saved)
+    _next_decode_sees_an_update(eng, rec, model, model.model.layers[1].self_attn.o_proj, 2.0)
     assert not eng._lean._pinned  # the block ended
+
+
+def test_the_engine_decodes_with_the_weights_a_fused_adamw_step_wrote():
+    # torch's fused CPU AdamW (the trainer's default there) writes the parameters without
+    # bumping their versions; appo's optimizer bumps them, so the engine repacks its copies.
+    from appo.trainer.optim import adamw
+
+    lm = load_model("tiny-test", device="cpu")  # its own copy: this test trains it
+    model, tok = lm.model, lm.tokenizer
+    eng = HFEngine(model, tok, seed=4)
+    rec = Recorder(eng)
+    rec.decode(rec.fork(eng.add_row(tok.encode("before the step")), 2), [6, 6],
+               SamplingParams())
+    opt = adamw(model.parameters(), lr=0.05, fused=True)
+    model(torch.tensor([tok.encode("a loss to step on")])).logits.pow(2).mean().backward()
+    opt.step()
+    fresh = rec.fork(eng.add_row(tok.encode("after the step")), 1)
+    rec.decode(fresh, [8], SamplingParams())
+    assert rec.max_error(model, fresh[0]) < TOL  # the updated weights, not stale copies
 
 
 def test_cascade_attention_over_a_shared_prefix_matches_full_forward(lm):

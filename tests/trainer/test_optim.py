@@ -49,3 +49,17 @@ def test_fused_is_the_cpu_default_and_config_keys_force_it():
     cfg = load_config(None, ["actor.optim.fused=false", "sft.fused=true"])
     assert cfg.actor.optim.fused is False and cfg.sft.fused is True
     assert load_config(None, []).critic.optim.fused is None
+
+
+def test_a_fused_step_bumps_the_version_counters_as_the_loop_does():
+    # The hf engine repacks its weight copies when a parameter's version changes: a fused
+    # step that did not bump it left the engine decoding with the weights before SFT.
+    for fused in (True, False):
+        params, grads = _params(torch.float32)
+        opt = adamw(params, lr=1e-3, fused=fused)
+        for p, g in zip(params, grads[0], strict=True):
+            p.grad = g
+        before = [p._version for p in params]
+        opt.step()
+        assert all(p._version > v for p, v in zip(params, before, strict=True))
+

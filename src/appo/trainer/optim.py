@@ -3,7 +3,8 @@
 Which of torch's AdamW implementations runs is a speed choice, not a different optimizer:
 the fused kernel updates each parameter in one pass over its moments, where the default
 for-loop implementation makes about ten passes (one op each); the two agree up to float
-rounding (`tests/trainer/test_optim.py`). `optim.fused` (`actor.optim.fused`,
+rounding (`tests/trainer/test_optim.py`); it also bumps the parameters' version counters
+after each step, as the loop's in-place ops do (the fused kernel does not). `optim.fused` (`actor.optim.fused`,
 `critic.optim.fused`, `sft.fused`): None picks the fused kernel when every parameter is a
 plain CPU tensor (not FSDP's DTensors) and torch's own default otherwise; true or false
 forces it. Timings in `benchmarks/RESULTS.md` ("Training step and memory").
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 
 def fused_by_default(params: list[nn.Parameter]) -> bool:
@@ -33,5 +35,16 @@ def adamw(params: Iterable[nn.Parameter], lr: float, weight_decay: float = 0.0,
     if fused is None:
         fused = fused_by_default(params)
     # Not fused: torch's own choice (the for-loop on the CPU, foreach on CUDA).
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas),
-                             fused=True if fused else None)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                  betas=tuple(betas), fused=True if fused else None)
+    if fused:
+        optimizer.register_step_post_hook(_bump_versions)
+    return optimizer
+
+
+def _bump_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The fused kernel writes the parameters without bumping their version counters
+    (torch 2.13, CPU), which is how the hf engine's weight copies and packed panels learn
+    that a weight changed (`appo.rollout.cpu.lean`, `appo.rollout.cpu.panels`): without
+    this, a decode after an optimizer step would run on the old weights."""
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])

@@ -278,6 +278,7 @@ def linear_numpy(x: np.ndarray, weight: Tensor, bias: Tensor | None = None,
 
         if panels.fits(weight) and x.dtype == np.float32:
             w = panels.packed(weight)
+            x = np.ascontiguousarray(x)  # its microkernel reads rows at stride K
         else:  # float64 (tests) or N not a multiple of 16: the tile kernel, plain weights
             kind, w = "tile", _weight_array(weight)
     else:
