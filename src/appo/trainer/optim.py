@@ -3,11 +3,12 @@
 Which of torch's AdamW implementations runs is a speed choice, not a different optimizer:
 the fused kernel updates each parameter in one pass over its moments, where the default
 for-loop implementation makes about ten passes (one op each); the two agree up to float
-rounding (`tests/trainer/test_optim.py`); it also bumps the parameters' version counters
-after each step, as the loop's in-place ops do (the fused kernel does not). `optim.fused` (`actor.optim.fused`,
-`critic.optim.fused`, `sft.fused`): None picks the fused kernel when every parameter is a
-plain CPU tensor (not FSDP's DTensors) and torch's own default otherwise; true or false
-forces it. Timings in `benchmarks/RESULTS.md` ("Training step and memory").
+rounding (`tests/trainer/test_optim.py`). The fused one is given a hook that bumps the
+parameters' version counters after each step, as the loop's in-place ops do (the fused
+kernel does not). `optim.fused` (`actor.optim.fused`, `critic.optim.fused`, `sft.fused`):
+None picks the fused kernel when every parameter is a plain CPU tensor (not FSDP's
+DTensors) and torch's own default otherwise; true or false forces it. Timings in
+`benchmarks/RESULTS.md` ("Training step and memory").
 """
 
 from __future__ import annotations

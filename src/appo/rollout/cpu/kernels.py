@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from appo.rollout.cpu import split
+from appo.rollout.cpu.cache import per_tensor
 
 try:  # optional extra: the lean decoder falls back to torch without it
     import numba
@@ -228,18 +229,11 @@ def _weight_array(weight: Tensor) -> np.ndarray:
     `Tensor.numpy()` is five dispatched op calls, and a decode step passes each weight
     once. Kept while the tensor lives and still points at the same memory (a parameter
     whose `.data` was swapped gets a new array; in-place updates show through the view)."""
-    key = id(weight)
-    entry = _arrays.get(key)
-    if (entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr()
-            and entry[2].shape == weight.shape):
-        return entry[2]
-    array = weight.detach().numpy()
-    _arrays[key] = (weakref.ref(weight, lambda _, key=key: _arrays.pop(key, None)),
-                    weight.data_ptr(), array)
-    return array
+    return per_tensor(_arrays, weight, (weight.data_ptr(), tuple(weight.shape)),
+                      lambda w: w.detach().numpy())
 
 
-_arrays: dict[int, tuple[weakref.ref, int, np.ndarray]] = {}
+_arrays: dict[int, tuple[weakref.ref, tuple, np.ndarray]] = {}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,

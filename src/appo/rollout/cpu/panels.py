@@ -26,15 +26,16 @@ rule's choice (`appo.rollout.cpu.matmuls`, implementation `numba_panel`); timing
 
 from __future__ import annotations
 
-import weakref
-
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from torch import Tensor
+
+from appo.rollout.cpu.cache import per_tensor
 
 PANEL = 16  # output columns per panel: two 8-float vectors
 _VEC = 8
@@ -142,8 +143,6 @@ def build():
 
 def fits(weight: Tensor) -> bool:
     """Whether `weight` `[N, K]` can be packed: float32, `N` a multiple of `PANEL`."""
-    import torch
-
     return (weight.dim() == 2 and weight.dtype == torch.float32
             and weight.shape[0] % PANEL == 0 and weight.shape[0] > 0)
 
@@ -156,25 +155,17 @@ def pack(weight: np.ndarray) -> np.ndarray:
     return panels.reshape(n, k)
 
 
-_packed: dict[int, tuple[weakref.ref, int, int, np.ndarray]] = {}
+_packed: dict[int, tuple] = {}  # `kernels.per_tensor`'s entries
 
 
 def packed(weight: Tensor) -> np.ndarray:
     """`weight`'s packed copy, made on first use and whenever the tensor's storage or
     version counter (an in-place update: optimizer step, weight sync) has changed."""
-    key = id(weight)
     # Inference-mode tensors (the lean decoder's packed QKV and gate/up copies) keep no
     # version counter; they are remade, not updated, when a weight changes.
     version = -1 if weight.is_inference() else weight._version
-    entry = _packed.get(key)
-    if (entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr()
-            and entry[2] == version):
-        return entry[3]
-    _packed.pop(key, None)  # the stale copy goes before the new one is made
-    array = pack(weight.detach().numpy())
-    _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)),
-                    weight.data_ptr(), version, array)
-    return array
+    return per_tensor(_packed, weight, (weight.data_ptr(), version),
+                      lambda w: pack(w.detach().numpy()))
 
 
 def drop() -> None:

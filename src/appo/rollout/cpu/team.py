@@ -303,8 +303,8 @@ JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _matmul, _attenti
 def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
                                          panels.__file__)) -> bool:
     """numba's cache checks only the defining file (this one), but the job functions
-    embed the kernels of `kernels.py`, `attention.py` and `panels.py`: their cached code is dropped
-    (True) when those files differ from the stamp kept beside the cache."""
+    embed the kernels of `kernels.py`, `attention.py` and `panels.py`: their cached code
+    is dropped (True) when those files differ from the stamp kept beside the cache."""
     try:
         stamp = hashlib.sha256(b"".join(Path(p).read_bytes() for p in sources)).hexdigest()
         stamp_file = Path(jobs[0]._cache._cache_path) / "team.depends"
