@@ -67,17 +67,69 @@ def test_counting_saved_bytes_frees_the_graph():
 
 
 def test_trainer_sets_the_mmap_threshold(toy, monkeypatch):
-    """`trainer.mmap_threshold_kb` reaches glibc's mallopt (null by default: glibc's own
-    dynamic threshold; the demo sets 128)."""
+    """`trainer.mmap_threshold_kb` and its scope reach glibc's mallopt (null by default:
+    glibc's own dynamic threshold; the demo sets 128)."""
     calls, real = [], memory.set_mmap_threshold
-    monkeypatch.setattr(memory, "set_mmap_threshold", lambda kb: calls.append(kb) or True)
+    monkeypatch.setattr(memory, "set_mmap_threshold",
+                        lambda kb, scope="process": calls.append((kb, scope)) or True)
     RLTrainer(toy_config(toy)).tools.close()
     RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=128",
                          "trainer.overwrite=true")).tools.close()
-    assert calls == [None, 128]
+    RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=64", "trainer.overwrite=true",
+                         "trainer.mmap_threshold_scope=backward")).tools.close()
+    assert calls == [(None, "process"), (128, "process"), (64, "backward")]
     if memory._libc() is not None:  # glibc accepts the setting
         assert real(128) is True
     assert real(None) is False
+
+
+class _RecordingLibc:
+    """glibc's mallopt / malloc_trim, recorded instead of applied."""
+
+    def __init__(self):
+        self.threshold: int | None = None
+        self.calls: list[int] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        assert param == memory.M_MMAP_THRESHOLD
+        self.threshold = value
+        self.calls.append(value)
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("scope", ["process", "backward"])
+def test_mmap_threshold_scope_in_the_update(toy, monkeypatch, scope):
+    """Scope `backward`: every backward pass of an RL step runs with the small threshold and
+    everything else (rollout, forwards, optimizer) with the heap's 32 MB; scope `process`:
+    the small threshold throughout, set once."""
+    libc = _RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    seen: list[int | None] = []
+    real_backward = torch.autograd.backward
+
+    def recording_backward(*args, **kwargs):
+        seen.append(libc.threshold)
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "backward", recording_backward)
+    trainer = RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=64",
+                                   f"trainer.mmap_threshold_scope={scope}",
+                                   "actor.ppo_max_token_len_per_device=40"))
+    start = list(libc.calls)
+    trainer.step = 1
+    trainer.train_step()
+    trainer.tools.close()
+    small, heap = 64 * 1024, memory.HEAP_MMAP_THRESHOLD
+    assert len(seen) >= 2  # several micro-batches (a 40-token budget)
+    if scope == "process":
+        assert start == [small] and libc.calls == [small] and set(seen) == {small}
+    else:
+        assert start == [heap] and set(seen) == {small}
+        assert libc.calls == [heap] + [small, heap] * len(seen)
+        assert libc.threshold == heap
 
 
 def test_pending_optimizer_bytes_by_hand():
@@ -463,3 +515,22 @@ def test_grads_in_place_same_gradients_no_vocab_sized_temporary(tied):
         assert usual[name].layout == lean[name].layout == torch.strided
         torch.testing.assert_close(lean[name], usual[name], rtol=1e-12, atol=1e-15, msg=name)
     assert any(g.abs().sum() > 0 for g in usual.values())
+
+
+def test_update_heap_trimmed_before_the_next_rollout(toy, monkeypatch):
+    """Each RL step hands freed memory back twice: after the rollout (its KV cache) and after
+    the update, once the gradients are gone (the activations' heap), so the next rollout
+    and an evaluation do not start on top of the update's high-water."""
+    from appo.trainer import loop
+
+    trainer = RLTrainer(toy_config(toy))
+    events: list[tuple[str, bool]] = []
+    real_update = loop.update_policy
+    monkeypatch.setattr(loop, "update_policy",
+                        lambda *a, **k: events.append(("update", False)) or real_update(*a, **k))
+    monkeypatch.setattr(loop, "trim_freed_memory", lambda: events.append(
+        ("trim", all(p.grad is None for p in trainer.model.parameters()))))
+    trainer.step = 1
+    trainer.train_step()
+    trainer.tools.close()
+    assert events == [("trim", True), ("update", False), ("trim", True)]

@@ -60,6 +60,8 @@ def test_sft_learns_and_checkpoints(tmp_path):
     res = train_sft(lm.model, lm.tokenizer, train, params, seed=0, val=train, progress=False)
     assert res.steps == 60
     assert res.eval_loss < 0.3 * before
+    # The last step's gradients are freed (they would sit through the next stage).
+    assert all(p.grad is None for p in lm.model.parameters())
     assert (res.checkpoint / "config.json").is_file()
     reloaded = load_model(str(res.checkpoint))
     assert abs(evaluate_loss(reloaded.model, train, lm.tokenizer.pad_token_id) - res.eval_loss) < 1e-5
@@ -130,3 +132,33 @@ def test_bfloat16_loss_over_float32_masters_matches_the_bfloat16_model():
     mixed.backward()
     grads = [p.grad for p in lm.model.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 for g in grads)
+
+
+def test_sft_backward_runs_under_the_backward_mmap_threshold(tmp_path, monkeypatch):
+    """`trainer.mmap_threshold_scope=backward` covers SFT's backward passes too: each runs
+    with the small threshold, and the heap's threshold is back after it."""
+    from appo.trainer import memory
+
+    class Libc:
+        threshold = None
+
+        def mallopt(self, param, value):
+            self.threshold = value
+            return 1
+
+    libc = Libc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    seen = []
+    real_backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward",
+                        lambda *a, **k: seen.append(libc.threshold) or real_backward(*a, **k))
+    assert memory.set_mmap_threshold(64, "backward")
+    try:
+        lm = load_model("tiny-test")
+        params = SFTConfig(epochs=1, batch_size=2, lr=1e-3, warmup_ratio=0.0,
+                           output_dir=str(tmp_path))
+        train_sft(lm.model, lm.tokenizer, _examples(lm.tokenizer, 4), params, seed=0,
+                  progress=False)
+    finally:
+        memory.set_mmap_threshold(None)
+    assert seen == [64 * 1024] * 2 and libc.threshold == memory.HEAP_MMAP_THRESHOLD

@@ -44,7 +44,8 @@ def _sft(args: argparse.Namespace) -> int:
         from appo.trainer.memory import memory_options  # the same savings as in RL
 
         memory_options(lm.model, cfg.actor, fsdp=False,
-                       mmap_threshold_kb=cfg.trainer.mmap_threshold_kb)
+                       mmap_threshold_kb=cfg.trainer.mmap_threshold_kb,
+                       mmap_scope=cfg.trainer.mmap_threshold_scope)
         train = sft_data_from_config(cfg, lm.tokenizer, "train")
         if not train.examples:
             raise AppoError("sft.train_files produced no examples")

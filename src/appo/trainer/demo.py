@@ -48,6 +48,9 @@ DEMO_OVERRIDES = [
     "sft.max_steps=20",
     "sft.warmup_ratio=0.1",
     "sft.output_dir=runs/demo/sft",
+    # SFT also trains the (tied) embeddings: their gradient and AdamW moments take the room
+    # of ~300 tokens of activations under the same 4 GiB.
+    "sft.max_tokens_per_micro_batch=576",
     # ARPO: 8 trajectories per prompt, 4 sampled from the root, the rest by entropy branching.
     "rollout.strategy=arpo",
     "rollout.n=8",
@@ -60,12 +63,17 @@ DEMO_OVERRIDES = [
     "actor.freeze_embeddings=true",
     "actor.optim.lr_scheduler=constant",
     "actor.ppo_mini_batch_size=4",
+    # ARPO's branches share their responses up to the branch point: the update computes
+    # each group's token trie once (exact; appo.trainer.tree_forward).
+    "actor.tree_forward=true",
     # The update's micro-batch budget from a memory target (appo.trainer.memory): the demo
-    # aims at a laptop, so the whole process should stay under 4 GB.
-    "actor.max_memory_gb=3.5",
-    # Freed activations returned to the system at once instead of kept as glibc heap: ~0.6
-    # GB lower peak for a slower update (benchmarks/RESULTS.md); the laptop wants the memory.
+    # aims at a laptop, so the whole process should stay under 4 GiB; the target leaves room
+    # for the trie's keys/values and glibc's heap beside the modelled activations.
+    "actor.max_memory_gb=2.5",
+    # The backward's freed activations returned to the system at once instead of kept as
+    # glibc heap: a lower peak for a slightly slower update (benchmarks/RESULTS.md).
     "trainer.mmap_threshold_kb=128",
+    "trainer.mmap_threshold_scope=backward",
     "eval.k=1",
     "eval.temperature=0.0",
     "eval.max_response_length=160",
@@ -182,6 +190,7 @@ def run_demo(cfg) -> int:
     """Run the demo's stages on `cfg` (`demo_config`) and write the report folder."""
     from appo.models import load_model
     from appo.trainer.loop import RLTrainer
+    from appo.trainer.memory import trim_freed_memory
 
     report = Path(cfg.trainer.default_local_dir).parent
     report.mkdir(parents=True, exist_ok=True)
@@ -222,6 +231,10 @@ def run_demo(cfg) -> int:
     except NonFiniteError as e:  # the update knows no step number: the one being trained
         raise e.at_step(trainer.step + 1) from None
     timings["rl"] = time.perf_counter() - t0
+    # RL is over and its last checkpoint saved: the AdamW moments (two more copies of the
+    # trained weights) would only raise the last evaluation's memory.
+    trainer.optimizer.state.clear()
+    trim_freed_memory()
 
     print("[5/5] after RL ...", flush=True)
     stages.append(evaluate_levels(trainer, "rl", report))

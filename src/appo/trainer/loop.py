@@ -138,6 +138,9 @@ class RLTrainer:
                                    compute_dtype=self.compute_dtype, ddp=self.grad_sync)
             # Not needed before the next update: free them for the rollout and evaluation.
             self.optimizer.zero_grad(set_to_none=True)
+            # The heap the update's forwards grew (activations freed into it, which glibc
+            # keeps resident) back to the system before the rollout's copies and KV cache.
+            trim_freed_memory()
         if self.critic is not None:
             with timer.measure("critic_update"):
                 update.update(self.critic.update(train, self.dp))
@@ -371,7 +374,8 @@ class RLTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             if self.lora is not None:  # frozen embeddings: checkpointed blocks need grads in
                 self.model.enable_input_require_grads()
-        memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb)
+        memory_options(self.model, cfg.actor, self.fsdp, cfg.trainer.mmap_threshold_kb,
+                       cfg.trainer.mmap_threshold_scope)
         if cfg.actor.freeze_embeddings and self.lora is None:
             self.model.get_input_embeddings().requires_grad_(False)
             self.model.get_output_embeddings().requires_grad_(False)

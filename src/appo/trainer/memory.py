@@ -267,17 +267,45 @@ def _libc():
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+# Outside the backward under scope `backward`: glibc's own ceiling for its dynamic threshold
+# (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), where that threshold sits once a run has freed
+# a few large blocks; fixed, because any mallopt call ends glibc's own adjusting.
+HEAP_MMAP_THRESHOLD = 32 * 2**20
+_backward_threshold: list[int | None] = [None]  # bytes; set by `set_mmap_threshold`
 
 
-def set_mmap_threshold(kb: int | None) -> bool:
+def set_mmap_threshold(kb: int | None, scope: str = "process") -> bool:
     """Allocations of at least `kb` KB get their own mapping, unmapped when freed (glibc
     `mallopt(M_MMAP_THRESHOLD)`, which also stops glibc raising the threshold itself), so
-    freed activations do not stay resident as heap. False when not applied (None, or no
-    glibc)."""
+    freed activations do not stay resident as heap. `scope="backward"`: only inside
+    `backward_allocations()` (the update's and SFT's backward passes); elsewhere the
+    threshold stays at `HEAP_MMAP_THRESHOLD`. False when not applied (None, or no glibc)."""
     lib = _libc()
+    _backward_threshold[0] = None
     if kb is None or lib is None:
         return False
+    if scope == "backward":
+        _backward_threshold[0] = int(kb) * 1024
+        return bool(lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
     return bool(lib.mallopt(M_MMAP_THRESHOLD, int(kb) * 1024))
+
+
+@contextmanager
+def backward_allocations() -> Iterator[None]:
+    """Around a backward pass: with `trainer.mmap_threshold_scope=backward`, its blocks of
+    at least `trainer.mmap_threshold_kb` are mapped and unmapped when freed. The backward
+    allocates the activations' gradients while it frees the activations; from the heap,
+    that grows the heap past the forward's high-water, which then stays resident. Blocks
+    the forward allocates (and the next micro-batch's forward reuses) stay in the heap."""
+    threshold, lib = _backward_threshold[0], _libc()
+    if threshold is None or lib is None:
+        yield
+        return
+    lib.mallopt(M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
 
 
 def trim_freed_memory() -> None:
@@ -415,12 +443,13 @@ def lean_mlp_activations(model) -> int:
     return n
 
 
-def memory_options(model, actor, fsdp: bool, mmap_threshold_kb: int | None = None) -> None:
+def memory_options(model, actor, fsdp: bool, mmap_threshold_kb: int | None = None,
+                   mmap_scope: str = "process") -> None:
     """The memory options that change how `model` computes, not what:
     `lean_mlp_activations` (not under FSDP, whose wrapped modules it would bypass) and
     `sdpa_gqa` (CPU only, `appo.models.sdpa_gqa`); and the allocator's
-    `trainer.mmap_threshold_kb` (`set_mmap_threshold`)."""
-    set_mmap_threshold(mmap_threshold_kb)
+    `trainer.mmap_threshold_kb` / `trainer.mmap_threshold_scope` (`set_mmap_threshold`)."""
+    set_mmap_threshold(mmap_threshold_kb, mmap_scope)
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
         checkpointing = getattr(model, "is_gradient_checkpointing", False)

@@ -22,6 +22,7 @@ import torch
 
 from appo.trainer.checkpoint import save_checkpoint
 from appo.trainer.guards import SFT_HINT, check_finite
+from appo.trainer.memory import backward_allocations
 from appo.trainer.metrics import MetricsLogger
 from appo.trainer.optim import adamw
 from appo.trainer.rundir import unique_run_dir
@@ -183,7 +184,8 @@ def train_sft(
                     loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
                                                         compute_dtype=compute_dtype)
                     loss = loss_sum / max(step_tokens, 1)
-                    loss.backward()
+                    with backward_allocations():
+                        loss.backward()
                     loss_total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip)
             check_finite(step + 1, SFT_HINT,
@@ -214,6 +216,9 @@ def train_sft(
             logger.log(step, {"sft/eval_loss": result.eval_loss}, console_keys=["sft/eval_loss"])
     result.checkpoint = _save(out_dir, step, model, tokenizer, optimizer, scheduler, lora,
                               save_merged)
+    # The last step's gradients would otherwise stay on the parameters through whatever
+    # runs next (the demo's evaluation and RL rollout: one more copy of the weights).
+    optimizer.zero_grad(set_to_none=True)
     result.seconds = time.perf_counter() - start
     return result
 
