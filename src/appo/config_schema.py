@@ -311,10 +311,11 @@ class TrainerConfig:
     # then maps fresh zeroed pages: the update takes ~30% longer (benchmarks/RESULTS.md), so
     # it is an option (the demo sets it). null: glibc's default.
     mmap_threshold_kb: int | None = None
-    # Where `mmap_threshold_kb` holds: `process` (everywhere, from start-up) or `backward`
-    # (only while the update's and SFT's backward passes run; elsewhere blocks under 32 MB
-    # come from the heap). `backward` keeps most of the update's speed and part of the
-    # memory saving (benchmarks/RESULTS.md).
+    # Where `mmap_threshold_kb` holds: `process` (everywhere, from start-up) or
+    # `except_forward` (everywhere but the update's, critic's and SFT's forward passes,
+    # whose blocks under 32 MB come from the heap that the next micro-batch's forward
+    # reuses). `except_forward` keeps most of the update's speed at a small cost in peak
+    # memory (benchmarks/RESULTS.md).
     mmap_threshold_scope: str = "process"
     # Where metrics go: console, jsonl (metrics.jsonl), tensorboard, wandb.
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
@@ -437,7 +438,7 @@ CHOICES: dict[str, tuple[str, ...] | Names] = {
     "data.overlong": ("skip", "fail"),
     "rollout.name": ("hf", "vllm", "openai", "auto"),
     "trainer.parallel": ("auto", "ddp", "fsdp"),
-    "trainer.mmap_threshold_scope": ("process", "backward"),
+    "trainer.mmap_threshold_scope": ("process", "except_forward"),
     # The registry itself (built-ins and strategies registered at run time; torch-free).
     "rollout.strategy": Names(STRATEGIES),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),

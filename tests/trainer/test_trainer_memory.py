@@ -76,8 +76,8 @@ def test_trainer_sets_the_mmap_threshold(toy, monkeypatch):
     RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=128",
                          "trainer.overwrite=true")).tools.close()
     RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=64", "trainer.overwrite=true",
-                         "trainer.mmap_threshold_scope=backward")).tools.close()
-    assert calls == [(None, "process"), (128, "process"), (64, "backward")]
+                         "trainer.mmap_threshold_scope=except_forward")).tools.close()
+    assert calls == [(None, "process"), (128, "process"), (64, "except_forward")]
     if memory._libc() is not None:  # glibc accepts the setting
         assert real(128) is True
     assert real(None) is False
@@ -100,36 +100,39 @@ class _RecordingLibc:
         return 1
 
 
-@pytest.mark.parametrize("scope", ["process", "backward"])
+@pytest.mark.parametrize("scope", ["process", "except_forward"])
 def test_mmap_threshold_scope_in_the_update(toy, monkeypatch, scope):
-    """Scope `backward`: every backward pass of an RL step runs with the small threshold and
-    everything else (rollout, forwards, optimizer) with the heap's 32 MB; scope `process`:
-    the small threshold throughout, set once."""
+    """Scope `except_forward`: every forward of the update runs with the heap's 32 MB and
+    everything else (rollout, backward passes, optimizer) with the small threshold; scope
+    `process`: the small threshold throughout, set once."""
     libc = _RecordingLibc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
-    seen: list[int | None] = []
+    at_backward: list[int | None] = []
     real_backward = torch.autograd.backward
 
     def recording_backward(*args, **kwargs):
-        seen.append(libc.threshold)
+        at_backward.append(libc.threshold)
         return real_backward(*args, **kwargs)
 
     monkeypatch.setattr(torch.autograd, "backward", recording_backward)
     trainer = RLTrainer(toy_config(toy, "trainer.mmap_threshold_kb=64",
                                    f"trainer.mmap_threshold_scope={scope}",
                                    "actor.ppo_max_token_len_per_device=40"))
+    at_forward: list[int | None] = []
+    trainer.model.register_forward_pre_hook(
+        lambda *_: at_forward.append(libc.threshold) if torch.is_grad_enabled() else None)
     start = list(libc.calls)
     trainer.step = 1
     trainer.train_step()
     trainer.tools.close()
     small, heap = 64 * 1024, memory.HEAP_MMAP_THRESHOLD
-    assert len(seen) >= 2  # several micro-batches (a 40-token budget)
+    assert start == [small] and len(at_backward) >= 2  # several micro-batches (40 tokens)
+    assert set(at_backward) == {small} and libc.threshold == small
     if scope == "process":
-        assert start == [small] and libc.calls == [small] and set(seen) == {small}
+        assert libc.calls == [small] and set(at_forward) == {small}
     else:
-        assert start == [heap] and set(seen) == {small}
-        assert libc.calls == [heap] + [small, heap] * len(seen)
-        assert libc.threshold == heap
+        assert set(at_forward) == {heap}
+        assert libc.calls == [small] + [heap, small] * len(at_backward)
 
 
 def test_pending_optimizer_bytes_by_hand():

@@ -134,9 +134,9 @@ def test_bfloat16_loss_over_float32_masters_matches_the_bfloat16_model():
     assert grads and all(g.dtype == torch.float32 for g in grads)
 
 
-def test_sft_backward_runs_under_the_backward_mmap_threshold(tmp_path, monkeypatch):
-    """`trainer.mmap_threshold_scope=backward` covers SFT's backward passes too: each runs
-    with the small threshold, and the heap's threshold is back after it."""
+def test_sft_forward_runs_on_the_heap_under_except_forward(tmp_path, monkeypatch):
+    """`trainer.mmap_threshold_scope=except_forward` covers SFT too: each forward runs with
+    the heap's threshold, each backward with the small one."""
     from appo.trainer import memory
 
     class Libc:
@@ -148,17 +148,22 @@ def test_sft_backward_runs_under_the_backward_mmap_threshold(tmp_path, monkeypat
 
     libc = Libc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
-    seen = []
+    at_backward = []
     real_backward = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward",
-                        lambda *a, **k: seen.append(libc.threshold) or real_backward(*a, **k))
-    assert memory.set_mmap_threshold(64, "backward")
+                        lambda *a, **k: at_backward.append(libc.threshold)
+                        or real_backward(*a, **k))
+    assert memory.set_mmap_threshold(64, "except_forward")
     try:
         lm = load_model("tiny-test")
+        at_forward = []
+        lm.model.register_forward_pre_hook(
+            lambda *_: at_forward.append(libc.threshold) if torch.is_grad_enabled() else None)
         params = SFTConfig(epochs=1, batch_size=2, lr=1e-3, warmup_ratio=0.0,
                            output_dir=str(tmp_path))
         train_sft(lm.model, lm.tokenizer, _examples(lm.tokenizer, 4), params, seed=0,
                   progress=False)
     finally:
         memory.set_mmap_threshold(None)
-    assert seen == [64 * 1024] * 2 and libc.threshold == memory.HEAP_MMAP_THRESHOLD
+    assert at_backward == [64 * 1024] * 2 and at_forward == [memory.HEAP_MMAP_THRESHOLD] * 2
+

@@ -40,7 +40,7 @@ from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import shard_model, to_float
 from appo.trainer.guards import CRITIC_HINT, check_finite
-from appo.trainer.memory import backward_allocations
+from appo.trainer.memory import forward_allocations
 from appo.trainer.optim import adamw
 from appo.trainer.precision import autocast
 
@@ -272,14 +272,14 @@ class Critic:
         def forward(model: ValueModel) -> tuple[Tensor, Tensor]:
             return model.response_values(mb, self.share_prefix, self.compute_dtype, self.tree)
 
-        vpreds, valid = (forward(self.model) if self.sync is None
-                         else self.sync.forward(forward, sync))
+        with forward_allocations():
+            vpreds, valid = (forward(self.model) if self.sync is None
+                             else self.sync.forward(forward, sync))
         device = vpreds.device
         loss, m = clipped_value_loss(vpreds, mb.values.to(device), mb.returns.to(device),
                                      mb.loss_mask.to(device) * valid, agg=agg,
                                      cliprange_value=self.cliprange_value)
-        with backward_allocations():
-            (loss * loss_scale).backward()
+        (loss * loss_scale).backward()
         return {"critic/vf_loss": float(loss.detach()),
                 **{f"critic/{k}": v for k, v in m.items()}}
 

@@ -267,45 +267,45 @@ def _libc():
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-# Outside the backward under scope `backward`: glibc's own ceiling for its dynamic threshold
-# (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), where that threshold sits once a run has freed
-# a few large blocks; fixed, because any mallopt call ends glibc's own adjusting.
+# Inside the training forwards under scope `except_forward`: glibc's own ceiling for its
+# dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), where that threshold sits once a
+# run has freed a few large blocks.
 HEAP_MMAP_THRESHOLD = 32 * 2**20
-_backward_threshold: list[int | None] = [None]  # bytes; set by `set_mmap_threshold`
+_small_threshold: list[int | None] = [None]  # bytes, under scope `except_forward`
 
 
 def set_mmap_threshold(kb: int | None, scope: str = "process") -> bool:
     """Allocations of at least `kb` KB get their own mapping, unmapped when freed (glibc
     `mallopt(M_MMAP_THRESHOLD)`, which also stops glibc raising the threshold itself), so
-    freed activations do not stay resident as heap. `scope="backward"`: only inside
-    `backward_allocations()` (the update's and SFT's backward passes); elsewhere the
-    threshold stays at `HEAP_MMAP_THRESHOLD`. False when not applied (None, or no glibc)."""
+    freed activations do not stay resident as heap. `scope="except_forward"`: everywhere but
+    inside `forward_allocations()` (the update's, the critic's and SFT's forward passes).
+    False when not applied (None, or no glibc)."""
     lib = _libc()
-    _backward_threshold[0] = None
+    _small_threshold[0] = None
     if kb is None or lib is None:
         return False
-    if scope == "backward":
-        _backward_threshold[0] = int(kb) * 1024
-        return bool(lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+    if scope == "except_forward":
+        _small_threshold[0] = int(kb) * 1024
     return bool(lib.mallopt(M_MMAP_THRESHOLD, int(kb) * 1024))
 
 
 @contextmanager
-def backward_allocations() -> Iterator[None]:
-    """Around a backward pass: with `trainer.mmap_threshold_scope=backward`, its blocks of
-    at least `trainer.mmap_threshold_kb` are mapped and unmapped when freed. The backward
-    allocates the activations' gradients while it frees the activations; from the heap,
-    that grows the heap past the forward's high-water, which then stays resident. Blocks
-    the forward allocates (and the next micro-batch's forward reuses) stay in the heap."""
-    threshold, lib = _backward_threshold[0], _libc()
-    if threshold is None or lib is None:
+def forward_allocations() -> Iterator[None]:
+    """Around a training forward: with `trainer.mmap_threshold_scope=except_forward` its
+    blocks under 32 MB come from glibc's heap, where the next micro-batch's forward reuses
+    what this one's backward frees (mapping each activation afresh costs a page fault per 4
+    KB). The backward, which frees the activations while it allocates their gradients, maps
+    its blocks and hands them back when freed, so the heap never grows past one forward's
+    activations."""
+    small, lib = _small_threshold[0], _libc()
+    if small is None or lib is None:
         yield
         return
-    lib.mallopt(M_MMAP_THRESHOLD, threshold)
+    lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
     try:
         yield
     finally:
-        lib.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        lib.mallopt(M_MMAP_THRESHOLD, small)
 
 
 def trim_freed_memory() -> None:

@@ -22,7 +22,7 @@ import torch
 
 from appo.trainer.checkpoint import save_checkpoint
 from appo.trainer.guards import SFT_HINT, check_finite
-from appo.trainer.memory import backward_allocations
+from appo.trainer.memory import forward_allocations
 from appo.trainer.metrics import MetricsLogger
 from appo.trainer.optim import adamw
 from appo.trainer.rundir import unique_run_dir
@@ -181,11 +181,11 @@ def train_sft(
             for m in range(0, len(window), params.batch_size):
                 for micro in token_micro_batches(window[m : m + params.batch_size],
                                                  params.max_tokens_per_micro_batch):
-                    loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
-                                                        compute_dtype=compute_dtype)
+                    with forward_allocations():
+                        loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
+                                                            compute_dtype=compute_dtype)
                     loss = loss_sum / max(step_tokens, 1)
-                    with backward_allocations():
-                        loss.backward()
+                    loss.backward()
                     loss_total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip)
             check_finite(step + 1, SFT_HINT,

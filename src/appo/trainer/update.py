@@ -48,7 +48,7 @@ from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import idle_forward, idle_step, to_float
 from appo.trainer.guards import check_finite
-from appo.trainer.memory import backward_allocations, sparse_embedding_grads
+from appo.trainer.memory import forward_allocations, sparse_embedding_grads
 from appo.trainer.precision import autocast, head_inputs
 
 
@@ -334,7 +334,8 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
             head_grad_in_place=in_place,
         )
 
-    logp, entropy, valid = forward(model) if ddp is None else ddp.forward(forward, sync)
+    with forward_allocations():
+        logp, entropy, valid = forward(model) if ddp is None else ddp.forward(forward, sync)
     device = logp.device
     mask = mb.loss_mask.to(device) * valid
     adv = mb.advantages.to(device)
@@ -362,6 +363,5 @@ def _micro_step(model, mb: TrainBatch, actor: Any, loss_params: PolicyLossParams
         metrics["actor/entropy"] = float(ent.detach())
         if actor.entropy_coeff != 0:
             loss = loss - actor.entropy_coeff * ent
-    with backward_allocations():
-        (loss * loss_scale).backward()
+    (loss * loss_scale).backward()
     return metrics
