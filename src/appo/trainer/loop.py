@@ -138,12 +138,12 @@ class RLTrainer:
                                    compute_dtype=self.compute_dtype, ddp=self.grad_sync)
             # Not needed before the next update: free them for the rollout and evaluation.
             self.optimizer.zero_grad(set_to_none=True)
-            # The heap the update's forwards grew (activations freed into it, which glibc
-            # keeps resident) back to the system before the rollout's copies and KV cache.
-            trim_freed_memory()
         if self.critic is not None:
             with timer.measure("critic_update"):
                 update.update(self.critic.update(train, self.dp))
+        # The heap the updates' forwards grew (activations freed into it, which glibc keeps
+        # resident) back to the system before the next rollout's copies and KV cache.
+        trim_freed_memory()
         self._rollout_stale = True
         all_rewards = self.dp.gather_objects(rewards)
         metrics = rollout_metrics(everyone, all_rewards, rollout.stats)

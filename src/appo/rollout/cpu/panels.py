@@ -155,7 +155,7 @@ def pack(weight: np.ndarray) -> np.ndarray:
     return panels.reshape(n, k)
 
 
-_packed: dict[int, tuple] = {}  # `kernels.per_tensor`'s entries
+_packed: dict[int, tuple] = {}  # `cache.per_tensor`'s entries
 
 
 def packed(weight: Tensor) -> np.ndarray:
