@@ -16,6 +16,9 @@ What it checks, each a named entry of `gpu_check.json` with `ok` and its figures
   code (recompute noise: bfloat16 autocast against the engine's float32 decode on CUDA).
 - `rl_arpo`, `rl_appo`: two RL steps each, gradient checkpointing on; finite losses,
   non-zero gradients, CUDA peak memory per phase, decoded and trained tokens/s.
+- `tree_forward`: `actor.tree_forward` on an APPO rollout (branches share their responses):
+  per group, the tree forward's log-probs and gradient against the flat forward's, with the
+  time, computed tokens and CUDA peak of each.
 - `fsdp_resume`: a process group of one rank (`cpu:gloo,cuda:nccl` on CUDA, as
   `appo.trainer.distributed` starts it), `trainer.parallel=fsdp` (FSDP2 with bfloat16
   all-gathers, the KL reference sharded, two epochs), two steps saved at each; a second run resumed from step 1 redoes step 2;
@@ -166,6 +169,71 @@ def check_engine_logprobs(args, root: Path) -> dict:
             "decoded_tokens_per_s": rollout.stats.tokens_decoded / max(secs, 1e-9)}
 
 
+def check_tree_forward(args, root: Path) -> dict:
+    """`actor.tree_forward` on the device: an APPO rollout (it branches, so a group's rows share
+    responses up to their branch points); per group, the tree forward's log-probs and the
+    gradient of a token-mean loss against the flat forward's (each row whole), with the time
+    and peak memory of each (a warm pass)."""
+    from appo.trainer.batch import TrainBatch
+    from appo.trainer.forward import computed_tokens
+    from appo.trainer.update import response_logprobs
+
+    trainer = trainer_for(args, make_config(args, root, "tree", "rollout.strategy=appo"))
+    rollout, by_uid = trainer.rollout(trainer.batch_for_step(0), "s0", 13)
+    trajs = rollout.trajectories
+    trainer.score(trajs, by_uid)
+    trainer.tools.close()
+    batch = TrainBatch.collate(trajs, trainer.pad_id)
+    model, cuda = trainer.model, args.device == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    groups = [[i for i, u in enumerate(batch.uids) if u == uid]
+              for uid in dict.fromkeys(batch.uids)]
+    n_tokens = float(batch.loss_mask.sum())
+    runs = {}
+    # Each forward twice, alternating: the second pass of each is the one reported, so
+    # neither pays the other's first-use costs (kernel selection, allocator growth).
+    for name, tree in (("flat", False), ("tree", True)) * 2:
+        for p in params:
+            p.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        logp_all, computed = torch.zeros_like(batch.loss_mask), 0
+        t0 = time.perf_counter()
+        for idx in groups:
+            mini = batch.select(idx)
+            computed += computed_tokens(mini.input_ids, mini.lengths, share_prefix=tree, tree=tree)
+            logp, _, mask = response_logprobs(model, mini, trainer.cfg.actor.logprob_chunk_size,
+                                              False, share_prefix=tree, tree=tree,
+                                              compute_dtype=trainer.compute_dtype)
+            (-(logp * mask).sum() / n_tokens).backward()
+            logp_all[torch.tensor(idx), : logp.shape[1]] = logp.detach().float().cpu()
+        if cuda:
+            torch.cuda.synchronize()
+        runs[name] = {"logp": logp_all, "seconds": time.perf_counter() - t0,
+                      "computed_tokens": computed,
+                      "grad": torch.cat([p.grad.detach().float().flatten() for p in params]),
+                      "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    mask = batch.loss_mask.bool()
+    diff = (runs["tree"]["logp"] - runs["flat"]["logp"]).abs()[mask]
+    g_flat, g_tree = runs["flat"]["grad"], runs["tree"]["grad"]
+    grad_rel = float((g_tree - g_flat).norm() / g_flat.norm().clamp_min(1e-30))
+    # bfloat16 on CUDA: the two forwards differ in kernel and summation order, so a few
+    # hundredths of a log-prob; float32 on CPU: rounding only.
+    tol_mean, tol_grad = (0.05, 0.1) if cuda else (1e-5, 1e-4)
+    mean = float(diff.mean())
+    out = {"ok": mean < tol_mean and grad_rel < tol_grad and len(groups) > 0,
+           "branches": rollout.stats.branches,
+           "rows": len(batch), "response_tokens": int(n_tokens),
+           "mean_abs_diff": mean, "max_abs_diff": float(diff.max()), "grad_rel_diff": grad_rel,
+           "tolerance": [tol_mean, tol_grad]}
+    for name, r in runs.items():
+        out[name] = {"seconds": round(r["seconds"], 3), "computed_tokens": r["computed_tokens"],
+                     **({"peak_gb": round(r["peak_gb"], 3)} if cuda else {})}
+    return out
+
+
 def batch_rows(batch, trajs) -> list:
     by_id = {t.traj_id: t for t in trajs}
     return [by_id[tid] for tid in batch.traj_ids]
@@ -280,6 +348,7 @@ CHECKS = {
     "engine_logprobs": check_engine_logprobs,
     "rl_arpo": lambda a, r: check_rl(a, r, "arpo"),
     "rl_appo": lambda a, r: check_rl(a, r, "appo"),
+    "tree_forward": check_tree_forward,
     "fsdp_resume": check_fsdp_resume,
 }
 
@@ -353,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
             if not result["ok"]:
                 print(json.dumps({k: v for k, v in result.items()}, indent=1)[-4000:],
                       file=sys.stderr, flush=True)
+        # The plan is compared with rl_arpo's peaks: under --only without rl_arpo, not run.
         try:
-            report["checks"]["memory_plan"] = check_memory_plan(args, root, report["checks"])
+            if "rl_arpo" in report["checks"]:
+                report["checks"]["memory_plan"] = check_memory_plan(args, root,
+                                                                    report["checks"])
         except Exception as e:  # noqa: BLE001 - a finding, like any check's failure
             report["checks"]["memory_plan"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     report["seconds"] = time.perf_counter() - t0

@@ -122,6 +122,8 @@ class ActorConfig:
     # With share_prefix_forward: compute the micro-batch's whole token trie once (ARPO/AEPO
     # branches share their parent's response up to the branch point; found from the token
     # ids, any strategy), one model call per trie level. Exact (docs/architecture.md).
+    # Pays where compute is the cost (CPU); on a GPU at small micro-batches the extra calls'
+    # kernel launches cost more than the tokens saved (docs/training.md).
     tree_forward: bool = False
     # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
     # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).
