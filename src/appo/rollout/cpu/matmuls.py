@@ -184,9 +184,11 @@ class MatmulRule:
 # better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
 # width.
 RULES: dict[str, MatmulRule] = {
-    # AMD EPYC Zen 4: the row kernel up to 7 rows, the wide one from 8 (on a Zen 5 the
-    # wide one led from 6 rows, by little).
-    "amd-avx512": MatmulRule.parse("1:numba,8:numba_wide"),
+    # AMD EPYC Zen 5 (2026-11-28): the panel kernel up to 7 rows (1.07-1.33x the row
+    # kernel at 1-6 rows, 1 and 2 threads), the wide one from 8 (the panel kernel 0.87x of
+    # it at 8 rows, 0.73x at 32). On a Zen 4, before the panel kernel: the row kernel up to
+    # 7 rows, the wide one from 8.
+    "amd-avx512": MatmulRule.parse("1:numba_panel,8:numba_wide"),
     # AMD EPYC Zen 3: the panel kernel at every row count (faster than the row and tile
     # kernels it replaced at 1-32 rows, 1 and 2 threads; MKL's threaded GEMM at 16-32 rows
     # was slower still, and far slower on a busy machine).
