@@ -33,7 +33,7 @@ def ping_pong(rounds: int) -> tuple[float, float]:
     """Microseconds per round trip: (queue + event, numba spin)."""
     import numba
 
-    from appo.rollout.cpu import team
+    from appo.rollout.cpu import atomics
 
     jobs: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -55,20 +55,20 @@ def ping_pong(rounds: int) -> tuple[float, float]:
 
     @numba.njit(nogil=True)
     def answer(ctl, count):  # the helper: acknowledge `count` publications
-        seen = team._load(ctl, 0)
+        seen = atomics.load(ctl, 0)
         for _ in range(count):
-            while team._load(ctl, 0) == seen:
-                team._pause()
-            seen = team._load(ctl, 0)
-            team._fetch_add(ctl, 8, 1)
+            while atomics.load(ctl, 0) == seen:
+                atomics.pause()
+            seen = atomics.load(ctl, 0)
+            atomics.fetch_add(ctl, 8, 1)
 
     @numba.njit(nogil=True)
     def ask(ctl, count):  # the caller: publish, wait for the acknowledgement
         for _ in range(count):
-            target = team._load(ctl, 8) + 1
-            team._fetch_add(ctl, 0, 1)
-            while team._load(ctl, 8) < target:
-                team._pause()
+            target = atomics.load(ctl, 8) + 1
+            atomics.fetch_add(ctl, 0, 1)
+            while atomics.load(ctl, 8) < target:
+                atomics.pause()
 
     ctl = np.zeros(16, np.int64)
     answer(np.ones(16, np.int64), 0), ask(np.zeros(16, np.int64), 0)  # compile

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -123,6 +125,16 @@ def matmul_split(args) -> None:
     vllm_step()
     print(f"vLLM onednn_mm (prepacked): CPU time by thread "
           f"{thread_split(vllm_step, args.repeats)}")
+    # Wall time per step, the two interleaved (the weights cold in cache for both: 540 MB).
+    walls: dict[str, list[float]] = {"appo": [], "vllm": []}
+    for _ in range(args.repeats):
+        for name, fn in (("appo", appo_step), ("vllm", vllm_step)):
+            t0 = time.perf_counter()
+            fn()
+            walls[name].append((time.perf_counter() - t0) * 1e3)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    print(f"wall ms per step (median of {args.repeats}, interleaved): appo {med['appo']:.1f}, "
+          f"vLLM {med['vllm']:.1f}; appo / vLLM {med['appo'] / med['vllm']:.2f}")
 
 
 def step_timers(eng, prompts, args) -> None:

@@ -2,8 +2,9 @@
 over all columns (matmuls of every kind, attention with and without a shared prefix), the
 helpers really run chunks, thousands of back-to-back jobs of changing shapes stay exact
 (a late helper never runs a stale job), helpers that fell asleep wake for later jobs, the
-engine decodes the same tokens with the team on or off, and the cached job code is dropped
-when the kernels' files change."""
+same jobs as parallel regions of torch's OpenMP pool (`appo.rollout.cpu.omp`) run on its
+threads and stay exact, the engine decodes the same tokens with the team on or off and on
+either pool, and the cached job code is dropped when the kernels' files change."""
 
 from __future__ import annotations
 
@@ -20,16 +21,35 @@ from appo.rollout.cpu import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba not installed")
 
 
-@pytest.fixture
-def team(monkeypatch):
+def _team_module(monkeypatch, pool: str):
     from appo.rollout.cpu import split, team
 
+    if pool == "omp" and not team.OMP:
+        pytest.skip("torch's libgomp not found: no OpenMP pool path here")
     # Split even small matrices, so every shape below goes through the team.
     monkeypatch.setattr(split, "SPLIT_MIN_BYTES", 0)
     monkeypatch.setattr(split, "CHUNK_MIN_BYTES", 1)
     split.column_chunks.cache_clear()
     monkeypatch.delenv("APPO_CPU_TEAM", raising=False)
-    yield team
+    monkeypatch.setattr(team._TEAM, "omp", pool == "omp")
+    return team
+
+
+@pytest.fixture(params=["helpers", "omp"])
+def team(monkeypatch, request):
+    """The team's jobs on its own spinning helpers, then on torch's OpenMP pool."""
+    from appo.rollout.cpu import split
+
+    yield _team_module(monkeypatch, request.param)
+    split.column_chunks.cache_clear()
+
+
+@pytest.fixture
+def helpers(monkeypatch):
+    """The team with its own spinning helpers (what they alone do: sleep, wake, stall)."""
+    from appo.rollout.cpu import split
+
+    yield _team_module(monkeypatch, "helpers")
     split.column_chunks.cache_clear()
 
 
@@ -53,7 +73,8 @@ def test_matmuls_through_the_team_equal_one_call_bit_for_bit(team, kind, rows):
         assert np.array_equal(out, whole), threads
 
 
-def test_the_helpers_run_chunks(team):
+def test_the_helpers_run_chunks(helpers):
+    team = helpers
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4096, 256), dtype=np.float32)
     x = rng.standard_normal((8, 256), dtype=np.float32)
@@ -67,7 +88,8 @@ def test_the_helpers_run_chunks(team):
 
 
 @pytest.mark.parametrize("stall", [0, 3000])
-def test_thousands_of_jobs_of_changing_shapes_stay_exact(team, monkeypatch, stall):
+def test_thousands_of_jobs_of_changing_shapes_stay_exact(helpers, monkeypatch, stall):
+    team = helpers
     # Each job follows the last at once. With `stall` (~0.1 ms of pause rounds) a helper
     # is late to the job it saw and slow to come back after each chunk, and the caller is
     # slow to write a job's fields after claiming the chunk counter for it: a helper often
@@ -80,7 +102,7 @@ def test_thousands_of_jobs_of_changing_shapes_stay_exact(team, monkeypatch, stal
         team._TEAM.ctl[team.STALL] = 0
 
 
-def _many_jobs(team, jobs: int = 1200):
+def _many_jobs(team, jobs: int = 1200, helpers_must_help: bool = True):
     rng = np.random.default_rng(1)
     cases = []
     for i in range(12):
@@ -96,7 +118,7 @@ def _many_jobs(team, jobs: int = 1200):
     j = 0
     # At least `jobs`, and on until a helper took part (a loaded machine may keep it off
     # a core for a while).
-    while j < jobs or _taken(team) == before:
+    while j < jobs or (helpers_must_help and _taken(team) == before):
         assert time.monotonic() < deadline
         kernel, x, w, want = cases[j % len(cases)]
         out = np.full_like(want, np.nan)
@@ -105,7 +127,8 @@ def _many_jobs(team, jobs: int = 1200):
         j += 1
 
 
-def test_sleeping_helpers_wake_for_later_jobs(team, monkeypatch):
+def test_sleeping_helpers_wake_for_later_jobs(helpers, monkeypatch):
+    team = helpers
     monkeypatch.setattr(team, "SPIN", 50)  # helpers give up spinning almost at once
     rng = np.random.default_rng(2)
     w = rng.standard_normal((2048, 128), dtype=np.float32)
@@ -125,6 +148,26 @@ def test_sleeping_helpers_wake_for_later_jobs(team, monkeypatch):
             out = np.empty_like(want)
             team.run(kernel, x, w, out, 2)
             assert np.array_equal(out, want)
+
+
+def test_omp_regions_run_on_torchs_threads_and_stay_exact(monkeypatch):
+    # Every job a parallel region of torch's pool: each of its threads enters the body
+    # (`ENTERED` counts them), and back-to-back jobs of changing shapes stay exact.
+    team = _team_module(monkeypatch, "omp")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4096, 256), dtype=np.float32)
+    x = rng.standard_normal((8, 256), dtype=np.float32)
+    want = np.empty((8, 4096), np.float32)
+    kernels.kernel_for("wide")(x, w, want, 0, 4096)
+    for threads in (2, 3):
+        before = int(team._TEAM.ctl[team.ENTERED])
+        out = np.full_like(want, np.nan)
+        team.run(kernels.kernel_for("wide"), x, w, out, threads)
+        assert np.array_equal(out, want)
+        assert int(team._TEAM.ctl[team.ENTERED]) - before == threads
+    before = int(team._TEAM.ctl[team.ENTERED])
+    _many_jobs(team, jobs=600, helpers_must_help=False)
+    assert int(team._TEAM.ctl[team.ENTERED]) - before >= 2 * 600
 
 
 def _attention_case(rows: int, prefix: int, seed: int):
@@ -171,7 +214,8 @@ def test_other_dtypes_layouts_and_thread_counts_take_the_queue_path(team, monkey
     assert len(calls) == 3 and int(team._TEAM.ctl[team.SEQ]) == jobs
 
 
-def test_the_engine_decodes_the_same_with_the_team_on_or_off(team, monkeypatch):
+def test_the_engine_decodes_the_same_with_the_team_on_or_off(helpers, monkeypatch):
+    team = helpers
     from appo.models import load_model
     from appo.rollout.cpu import fused
     from appo.rollout.hf_engine import HFEngine
@@ -181,8 +225,9 @@ def test_the_engine_decodes_the_same_with_the_team_on_or_off(team, monkeypatch):
     lm = load_model("tiny-test", device="cpu")
     tok = lm.tokenizer
 
-    def decode(on: bool):
+    def decode(on: bool, omp: bool = False):
         monkeypatch.setenv("APPO_CPU_TEAM", "1" if on else "0")
+        monkeypatch.setattr(team._TEAM, "omp", omp)
         eng = HFEngine(lm.model, tok, seed=5, eos_ids=frozenset(), cpu_kernel=True)
         rows = eng.fork(eng.add_row(tok.encode("Shared words " * 12 + "go")), 3)
         rows += [eng.add_row(tok.encode(f"row {i}")) for i in range(5)]
@@ -200,11 +245,16 @@ def test_the_engine_decodes_the_same_with_the_team_on_or_off(team, monkeypatch):
         jobs = int(team._TEAM.ctl[team.SEQ])
         assert decode(False) == with_team
         assert int(team._TEAM.ctl[team.SEQ]) == jobs  # the queue path, not the team
+        if team.OMP:  # the same jobs as regions of torch's OpenMP pool: the same tokens
+            entered = int(team._TEAM.ctl[team.ENTERED])
+            assert decode(True, omp=True) == with_team
+            assert int(team._TEAM.ctl[team.ENTERED]) > entered
     finally:
         torch.set_num_threads(threads)
 
 
-def test_cached_job_code_is_dropped_when_the_kernels_change(team, tmp_path):
+def test_cached_job_code_is_dropped_when_the_kernels_change(helpers, tmp_path):
+    team = helpers
     flushed = []
     job = SimpleNamespace(_cache=SimpleNamespace(_cache_path=str(tmp_path),
                                                  flush=lambda: flushed.append(1)))
@@ -216,3 +266,29 @@ def test_cached_job_code_is_dropped_when_the_kernels_change(team, tmp_path):
     source.write_text("v2")
     assert team.drop_stale_cache((job, job), (source,))
     assert len(flushed) == 4 and (Path(tmp_path) / "team.depends").exists()
+
+
+@pytest.mark.parametrize("penalty,temperature,top_k,top_p", [(1.0, 1.0, 0, 1.0),
+                                                             (1.3, 0.7, 20, 0.9),
+                                                             (1.0, 0.0, 0, 1.0)])
+def test_sampling_through_the_team_equals_the_queue_path_bit_for_bit(team, penalty,
+                                                                     temperature, top_k,
+                                                                     top_p):
+    from appo.rollout.cpu import split
+    from appo.rollout.cpu.sampling import sample_numpy
+    from appo.rollout.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 3001, generator=gen) * 3
+    seen = torch.rand(9, 3001, generator=gen) < 0.05
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty)
+    want = sample_numpy(logits, params, torch.Generator().manual_seed(1), seen, threads=2,
+                        run=split.run_chunks)
+    seq = int(team._TEAM.ctl[team.SEQ])
+    for threads in (2, 3):
+        got = sample_numpy(logits, params, torch.Generator().manual_seed(1), seen,
+                           threads=threads, run=team.sample_runner)
+        for a, b in zip(got, want, strict=True):
+            assert np.array_equal(a, b)
+    assert int(team._TEAM.ctl[team.SEQ]) == seq + 2  # both went through the team

@@ -44,6 +44,7 @@ one decode call (buffer, batch slots, cached lengths, active rows) is a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -183,9 +184,11 @@ class HFEngine(TableRows):
             return None
         if self.device.type != "cpu" or not kernels.available():
             raise AppoError("cpu_sampling needs a CPU model and numba (appo[cpu-kernels])")
-        from appo.rollout.cpu.sampling import sample_numpy  # imports numba
+        from appo.rollout.cpu import team  # imports numba
+        from appo.rollout.cpu.sampling import sample_numpy
 
-        return sample_numpy
+        # The rows over the threads through the team (torch's OpenMP pool where it can).
+        return functools.partial(sample_numpy, run=team.sample_runner)
 
     # ------------------------------------------------------------------ settings
     def set_stop_strings(self, stop_strings: list[str]) -> None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from appo.errors import AppoError
-from appo.rollout.cpu import kernels
+from appo.rollout.cpu import kernels, onednn
 from appo.rollout.cpu.fused import FusedStep
 from appo.rollout.cpu.matmuls import DEFAULT, Implementation, MatmulRule, decode_rule
 
@@ -171,9 +171,10 @@ class LeanDecoder:
         self._layers = layers
 
     def drop(self) -> None:
-        """Free the packed copies (the panel kernel's too); the next forward packs them
-        again."""
+        """Free the packed copies (the panel kernel's and oneDNN's too); the next forward
+        packs them again."""
         self._layers, self._key = [], None
+        onednn.drop()
         if self.cpu_kernel:
             from appo.rollout.cpu import panels  # imports numba: only with the kernels
 

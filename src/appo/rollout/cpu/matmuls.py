@@ -1,10 +1,10 @@
 """Which matmuls a CPU decode step runs: a fixed rule by row count and CPU, overridable.
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix of the model.
-Four implementations compute it (`IMPLEMENTATIONS`, all `F.linear` up to summation order):
-torch (MKL; the LM head in row blocks), torch as `(W @ x^T)^T`, and the three numba kernels of
-`appo.rollout.cpu.kernels`. Which is fastest depends on the CPU and on the row count, so the
-default is a `MatmulRule` (row count -> implementation) picked by `default_rule` from the
+Seven implementations compute it (`IMPLEMENTATIONS`, all `F.linear` up to summation order):
+torch (MKL; the LM head in row blocks), torch as `(W @ x^T)^T`, oneDNN on packed weights
+(`appo.rollout.cpu.onednn`), and the four numba kernels of `appo.rollout.cpu.kernels`.
+Which is fastest depends on the CPU and on the row count, so the default is a `MatmulRule` (row count -> implementation) picked by `default_rule` from the
 CPU's vendor, its AVX-512 support and whether the kernels are installed; each rule was read
 off `benchmarks/decode_kernel.py` on a machine of that kind (tables in
 `benchmarks/RESULTS.md`). Nothing is measured at run time and nothing is stored: a seed's
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from appo.errors import AppoError
-from appo.rollout.cpu import kernels
+from appo.rollout.cpu import kernels, onednn
 
 HEAD_BLOCK = 1024
 FORCE_ENV = "APPO_DECODE_MATMUL"
@@ -130,6 +130,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                             numpy_linear=_torch_numpy_linear(False)),
     "torch_weight_first": Implementation("torch_weight_first", linear_weight_first,
                                          head_in_blocks, numpy_linear=_torch_numpy_linear(True)),
+    # oneDNN (torch's) on weights packed once (`appo.rollout.cpu.onednn`; no numba needed).
+    "torch_onednn": Implementation("torch_onednn", onednn.linear, onednn.linear,
+                                   numpy_linear=onednn.numpy_linear),
     **{name: _numba(name, kind) for name, kind in KERNEL_KINDS.items()},
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
@@ -184,11 +187,10 @@ class MatmulRule:
 # better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
 # width.
 RULES: dict[str, MatmulRule] = {
-    # AMD EPYC Zen 5 (2026-11-28): the panel kernel up to 7 rows (1.07-1.33x the row
-    # kernel at 1-6 rows, 1 and 2 threads), the wide one from 8 (the panel kernel 0.87x of
-    # it at 8 rows, 0.73x at 32). On a Zen 4, before the panel kernel: the row kernel up to
-    # 7 rows, the wide one from 8.
-    "amd-avx512": MatmulRule.parse("1:numba_panel,8:numba_wide"),
+    # AMD EPYC Zen 5 (2026-11-28): the panel kernel at 1-3 rows, oneDNN on packed weights
+    # from 4 (1.14-1.29x the wide kernel at 8-64 rows, 1 and 2 threads). On a Zen 4, before
+    # the panel kernel and oneDNN: the row kernel up to 7 rows, the wide one from 8.
+    "amd-avx512": MatmulRule.parse("1:numba_panel,4:torch_onednn"),
     # AMD EPYC Zen 3: the panel kernel at every row count (faster than the row and tile
     # kernels it replaced at 1-32 rows, 1 and 2 threads; MKL's threaded GEMM at 16-32 rows
     # was slower still, and far slower on a busy machine).

@@ -242,11 +242,13 @@ def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scra
 
 
 def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 seen: Tensor | None = None, threads: int | None = None
+                 seen: Tensor | None = None, threads: int | None = None, run=None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`appo.rollout.sampling.sample` on CPU float32 `logits` `[B, V]` (`seen`: `[B, V]`
     bool); returns numpy arrays `[B]` (ids int64, log-prob / entropy / top-k entropy
-    float32): the decode loop only reads them as lists."""
+    float32): the decode loop only reads them as lists. `run(kernel, args, units,
+    threads)` splits the rows over the threads: `split.run_chunks` by default; the hf
+    engine passes `team.sample_runner` (the rows on the team or torch's OpenMP pool)."""
     # One array layout (C-contiguous) and one set of argument types: a single compiled
     # signature, which `appo.rollout.cpu.warm` puts into numba's on-disk cache.
     logits = logits if logits.is_contiguous() else logits.contiguous()
@@ -271,7 +273,7 @@ def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Genera
             float(params.top_p), uniforms, scratch, heaps, exps, ids, logp, ent, ent_top)
     threads = torch.get_num_threads() if threads is None else threads
     units = tuple((r, r + 1) for r in range(rows)) if threads > 1 and rows > 1 else ((0, rows),)
-    split.run_chunks(sample_rows, args, units, threads)
+    (run or split.run_chunks)(sample_rows, args, units, threads)
     return ids, logp, ent, ent_top
 
 

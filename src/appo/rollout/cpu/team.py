@@ -28,30 +28,49 @@ reads the fields, then takes chunks by compare-and-swap on `NEXT`, only while it
 job nor uses up a chunk of the next. `DONE` counts finished chunks (release); the caller returns once it
 reaches the chunk count (acquire), after which the job's arrays are the caller's again.
 
-`APPO_CPU_TEAM=0` turns it off (the queue hand-off of `split`); rollouts are the same
-either way.
+Where this process has torch's libgomp (`appo.rollout.cpu.omp`), the same jobs run as
+parallel regions of torch's OpenMP pool instead of on the team's helper: oneDNN's GEMMs and
+torch's ops use that pool, and its workers spinning beside a helper of ours left two cores
+to three busy threads. The chunks and their code are the same, so are the results.
+
+`APPO_CPU_TEAM=0` turns it off (the queue hand-off of `split`), `APPO_CPU_OMP=0` keeps the
+team's helper instead of the OpenMP pool; rollouts are the same either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import platform
-import sys
 import threading
 from pathlib import Path
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from appo.rollout.cpu import attention, kernels, panels, split
+from appo.rollout.cpu import attention, kernels, omp, panels, sampling, split
+from appo.rollout.cpu.atomics import (
+    bool_at,
+    compare_exchange,
+    exchange,
+    f32_at,
+    f64_at,
+    fetch_add,
+    gomp_parallel,
+    i64_at,
+    load,
+    pause,
+    sched_yield,
+    store,
+)
 
+# torch's GOMP_parallel (or a one-thread stand-in) linked into the jobs below: registered
+# before any of them is compiled or loaded from numba's cache.
+OMP = omp.register()
 SEQ, NEXT, DONE = 0, 8, 16  # one 64-byte line each
 KIND, CHUNKS, BOUNDS, HELPERS, LAYER, LAST, STALL = 24, 25, 26, 27, 28, 29, 30
+FCTL = 31  # the address of `fctl`, for the OpenMP body (it gets `ctl` alone)
+ENTERED = 20  # OpenMP threads that entered a job's region, all jobs (tests read it)
 FIELDS = 32  # addresses and shapes from here
 TAKEN = 64  # + helper number: chunks that helper has run (one writer each)
 MAX_HELPERS = 64
@@ -61,7 +80,7 @@ MAX_HELPERS = 64
 MAX_THREADS = 4
 # Job kinds: the matmul kernels by `kernels.BUILDERS` name, then attention.
 KINDS = {"row": 0, "wide": 1, "tile": 2, "panel": 3}
-ATTENTION = len(KINDS)
+ATTENTION, SAMPLING = len(KINDS), len(KINDS) + 1
 # Idle rounds (an atomic load and a pause each, a `sched_yield` every YIELD_EVERY) before
 # a helper sleeps: ~2 ms on a 2-core Zen 3 VM (RESULTS.md), longer than a decode step's
 # gaps between kernels.
@@ -71,99 +90,12 @@ YIELD_EVERY = 64
 # The same for a caller waiting for its helpers' last chunks (rarer: each yield is a
 # system call, ~1.5 us, that delays seeing the job done).
 WAIT_YIELD_EVERY = 1024
-_X86 = platform.machine().lower() in {"x86_64", "amd64", "i686", "i386"}
-_YIELD = sys.platform != "win32"
 
 
 def enabled() -> bool:
     return os.environ.get("APPO_CPU_TEAM", "1") != "0"
 
 
-def _element(context, builder, sig, args):
-    arrty = sig.args[0]
-    ary = context.make_array(arrty)(context, builder, args[0])
-    return cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]])
-
-
-@intrinsic
-def _load(typingctx, arr, idx):
-    """`arr[idx]` as an acquire load (never hoisted out of a spin loop)."""
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(_element(context, builder, sig, args), "acquire", 8)
-    return types.int64(arr, idx), codegen
-
-
-@intrinsic
-def _store(typingctx, arr, idx, val):
-    """`arr[idx] = val` as a release store."""
-    def codegen(context, builder, sig, args):
-        builder.store_atomic(args[2], _element(context, builder, sig, args), "release", 8)
-        return context.get_dummy_value()
-    return types.void(arr, idx, val), codegen
-
-
-def _read_modify_write(op: str):
-    @intrinsic
-    def rmw(typingctx, arr, idx, val):
-        """`arr[idx] = arr[idx] <op> val` atomically (acquire and release); returns the
-        value before."""
-        def codegen(context, builder, sig, args):
-            return builder.atomic_rmw(op, _element(context, builder, sig, args), args[2],
-                                      "acq_rel")
-        return types.int64(arr, idx, val), codegen
-    return rmw
-
-
-# `_fetch_add`: `arr[idx] += val`; `_exchange`: `arr[idx] = val`, ordered before every
-# later store.
-_fetch_add, _exchange = _read_modify_write("add"), _read_modify_write("xchg")
-
-
-@intrinsic
-def _compare_exchange(typingctx, arr, idx, expected, val):
-    """`arr[idx] = val` if it holds `expected`, atomically; True where it did."""
-    def codegen(context, builder, sig, args):
-        pair = builder.cmpxchg(_element(context, builder, sig, args), args[2], args[3],
-                               "acq_rel", "acquire")
-        return builder.extract_value(pair, 1)
-    return types.boolean(arr, idx, expected, val), codegen
-
-
-@intrinsic
-def _pause(typingctx):
-    """x86's spin-wait hint (nothing elsewhere)."""
-    def codegen(context, builder, sig, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.VoidType(), []), "llvm.x86.sse2.pause")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.void(), codegen
-
-
-@intrinsic
-def _yield(typingctx):
-    """`sched_yield()`: a spinning helper lets another thread on its core run."""
-    def codegen(context, builder, sig, args):
-        if _YIELD:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.IntType(32), []), "sched_yield")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.void(), codegen
-
-
-def _pointer_to(dtype):
-    @intrinsic
-    def at(typingctx, address):
-        """The int64 `address` as a pointer to `dtype`."""
-        def codegen(context, builder, sig, args):
-            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-        return types.CPointer(dtype)(types.int64), codegen
-    return at
-
-
-_f32_at, _i64_at = _pointer_to(types.float32), _pointer_to(types.int64)
 _ROW, _WIDE, _TILE, _PANEL = (kernels.kernel_for(kind) for kind in KINDS)
 jit = numba.njit(nogil=True, cache=True)
 
@@ -173,19 +105,32 @@ def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
     # One chunk of the published job, its arrays rebuilt from the fields.
     f = FIELDS
     if kind == ATTENTION:
-        q = numba.carray(_f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
-        out = numba.carray(_f32_at(ctl[f + 4]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
-        buf = numba.carray(_f32_at(ctl[f + 5]), (ctl[f + 6], ctl[f + 7], ctl[f + 8],
+        q = numba.carray(f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
+        out = numba.carray(f32_at(ctl[f + 4]), (ctl[f + 1], ctl[f + 2], ctl[f + 3]))
+        buf = numba.carray(f32_at(ctl[f + 5]), (ctl[f + 6], ctl[f + 7], ctl[f + 8],
                                                  ctl[f + 9], ctl[f + 10], ctl[f + 11]))
-        first = numba.carray(_i64_at(ctl[f + 12]), (ctl[f + 1],))
-        pk = numba.carray(_f32_at(ctl[f + 13]), (ctl[f + 14], ctl[f + 15], ctl[f + 16]))
-        pvt = numba.carray(_f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 16], ctl[f + 15]))
+        first = numba.carray(i64_at(ctl[f + 12]), (ctl[f + 1],))
+        pk = numba.carray(f32_at(ctl[f + 13]), (ctl[f + 14], ctl[f + 15], ctl[f + 16]))
+        pvt = numba.carray(f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 16], ctl[f + 15]))
         attention.attend_units(q, buf, ctl[LAYER], first, ctl[LAST], pk, pvt, fctl[0], out,
                                lo, hi)
         return
-    x = numba.carray(_f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2]))
-    w = numba.carray(_f32_at(ctl[f + 3]), (ctl[f + 4], ctl[f + 2]))
-    out = numba.carray(_f32_at(ctl[f + 5]), (ctl[f + 1], ctl[f + 4]))
+    if kind == SAMPLING:
+        rows, vocab = ctl[f + 1], ctl[f + 2]
+        sampling.sample_rows(
+            numba.carray(f32_at(ctl[f]), (rows, vocab)),
+            numba.carray(bool_at(ctl[f + 3]), (ctl[f + 4], ctl[f + 5])),
+            fctl[1], fctl[2], ctl[f + 6], fctl[3], numba.carray(f64_at(ctl[f + 7]), (rows,)),
+            numba.carray(f32_at(ctl[f + 8]), (ctl[f + 9], vocab)),
+            numba.carray(f32_at(ctl[f + 10]), (rows, ctl[f + 11])),
+            numba.carray(f64_at(ctl[f + 12]), (ctl[f + 13], ctl[f + 14])),
+            numba.carray(i64_at(ctl[f + 15]), (rows,)), numba.carray(f32_at(ctl[f + 16]), (rows,)),
+            numba.carray(f32_at(ctl[f + 17]), (rows,)), numba.carray(f32_at(ctl[f + 18]), (rows,)),
+            lo, hi)
+        return
+    x = numba.carray(f32_at(ctl[f]), (ctl[f + 1], ctl[f + 2]))
+    w = numba.carray(f32_at(ctl[f + 3]), (ctl[f + 4], ctl[f + 2]))
+    out = numba.carray(f32_at(ctl[f + 5]), (ctl[f + 1], ctl[f + 4]))
     if kind == 0:
         _ROW(x, w, out, lo, hi)
     elif kind == 1:
@@ -200,7 +145,7 @@ def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
 def _stall(ctl):  # pragma: no cover - numba
     # `ctl[STALL]` pause rounds: 0 outside the tests, which widen the races with it.
     for _ in range(ctl[STALL]):
-        _pause()
+        pause()
 
 
 @jit
@@ -210,19 +155,19 @@ def _take_chunks(ctl, fctl, tag, me):  # pragma: no cover - numba
     while True:
         # A compare-and-swap, not a fetch-add: a take that fails (another job, or none
         # left) must leave the counter as it was, or the current job would lose a chunk.
-        taken = _load(ctl, NEXT)
+        taken = load(ctl, NEXT)
         i = taken & 0xFFFFFFFF
         if (taken >> 32) != tag or i >= ctl[CHUNKS]:
             return
-        if not _compare_exchange(ctl, NEXT, taken, taken + 1):
+        if not compare_exchange(ctl, NEXT, taken, taken + 1):
             continue
         # Taken while the counter still carried `tag`: the job is `tag`, and it cannot
         # finish (nor its fields change) before this chunk is done.
-        bounds = numba.carray(_i64_at(ctl[BOUNDS]), (ctl[CHUNKS] + 1,))
+        bounds = numba.carray(i64_at(ctl[BOUNDS]), (ctl[CHUNKS] + 1,))
         _chunk(ctl, fctl, ctl[KIND], bounds[i], bounds[i + 1])
         if me >= 0:
             ctl[TAKEN + me] += 1
-        _fetch_add(ctl, DONE, 1)
+        fetch_add(ctl, DONE, 1)
         if me >= 0:
             _stall(ctl)  # tests only: a helper slow to come back for the next chunk
 
@@ -232,14 +177,14 @@ def _serve(ctl, fctl, me, seen, spin):  # pragma: no cover - numba
     # A helper's loop: returns the last sequence seen after `spin` idle rounds.
     idle = 0
     while True:
-        tag = _load(ctl, SEQ)
+        tag = load(ctl, SEQ)
         if tag == seen:
             idle += 1
             if idle >= spin:
                 return seen
             if idle % YIELD_EVERY == 0:
-                _yield()
-            _pause()
+                sched_yield()
+            pause()
             continue
         seen, idle = tag, 0
         _stall(ctl)  # tests only: a helper late to the job it saw
@@ -250,7 +195,7 @@ def _serve(ctl, fctl, me, seen, spin):  # pragma: no cover - numba
 @jit
 def _publish(ctl, kind, bounds, helpers):  # pragma: no cover - numba
     tag = ctl[SEQ] + 1
-    _exchange(ctl, NEXT, tag << 32)  # takes of the previous job fail from here on
+    exchange(ctl, NEXT, tag << 32)  # takes of the previous job fail from here on
     _stall(ctl)  # tests only: a caller slow to write the fields
     ctl[KIND], ctl[CHUNKS], ctl[BOUNDS] = kind, bounds.size - 1, bounds.ctypes.data
     ctl[HELPERS] = helpers
@@ -260,29 +205,51 @@ def _publish(ctl, kind, bounds, helpers):  # pragma: no cover - numba
 @jit
 def _lead(ctl, fctl, tag, count):  # pragma: no cover - numba
     # The caller's part: publish, take chunks, wait for the helpers' last ones.
-    _store(ctl, DONE, 0)
-    _store(ctl, SEQ, tag)
+    store(ctl, DONE, 0)
+    store(ctl, SEQ, tag)
     _take_chunks(ctl, fctl, tag, -1)
     waited = 0
-    while _load(ctl, DONE) < count:
+    while load(ctl, DONE) < count:
         waited += 1
         if waited % WAIT_YIELD_EVERY == 0:  # a helper preempted mid-chunk may need this core
-            _yield()
-        _pause()
+            sched_yield()
+        pause()
+
+
+@numba.cfunc(types.void(types.voidptr), cache=True)
+def _omp_body(data):  # pragma: no cover - numba
+    # Each OpenMP thread of the region (the caller included) takes chunks of the job.
+    ctl = numba.carray(data, (TAKEN + MAX_HELPERS,), np.int64)
+    fetch_add(ctl, ENTERED, 1)
+    _take_chunks(ctl, numba.carray(f64_at(ctl[FCTL]), (1,)), load(ctl, SEQ), -1)
 
 
 @jit
-def _matmul(ctl, fctl, bounds, helpers, kind, x, w, out):  # pragma: no cover - numba
+def _go(ctl, fctl, tag, count, omp_threads, body):  # pragma: no cover - numba
+    # `omp_threads` > 0: the job as a parallel region of torch's OpenMP pool (`body` is
+    # `_omp_body`'s address); it returns when every chunk is done. Else the team's helpers.
+    if omp_threads > 0:
+        ctl[FCTL] = fctl.ctypes.data
+        store(ctl, DONE, 0)
+        store(ctl, SEQ, tag)
+        gomp_parallel(body, ctl.ctypes.data, omp_threads)
+    else:
+        _lead(ctl, fctl, tag, count)
+
+
+@jit
+def _matmul(ctl, fctl, bounds, helpers, omp_threads, body, kind, x, w,
+            out):  # pragma: no cover - numba
     tag = _publish(ctl, kind, bounds, helpers)
     f = FIELDS
     ctl[f], ctl[f + 1], ctl[f + 2] = x.ctypes.data, x.shape[0], x.shape[1]
     ctl[f + 3], ctl[f + 4], ctl[f + 5] = w.ctypes.data, w.shape[0], out.ctypes.data
-    _lead(ctl, fctl, tag, bounds.size - 1)
+    _go(ctl, fctl, tag, bounds.size - 1, omp_threads, body)
 
 
 @jit
-def _attention(ctl, fctl, bounds, helpers, q, buf, layer, first, last, pk, pvt, scale,
-               out):  # pragma: no cover - numba
+def _attention(ctl, fctl, bounds, helpers, omp_threads, body, q, buf, layer, first, last,
+               pk, pvt, scale, out):  # pragma: no cover - numba
     tag = _publish(ctl, ATTENTION, bounds, helpers)
     f = FIELDS
     ctl[LAYER], ctl[LAST] = layer, last
@@ -294,14 +261,33 @@ def _attention(ctl, fctl, bounds, helpers, q, buf, layer, first, last, pk, pvt, 
     ctl[f + 12], ctl[f + 13] = first.ctypes.data, pk.ctypes.data
     ctl[f + 14], ctl[f + 15], ctl[f + 16] = pk.shape[0], pk.shape[1], pk.shape[2]
     ctl[f + 17] = pvt.ctypes.data
-    _lead(ctl, fctl, tag, bounds.size - 1)
+    _go(ctl, fctl, tag, bounds.size - 1, omp_threads, body)
 
 
-JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _matmul, _attention)
+@jit
+def _sampling(ctl, fctl, bounds, helpers, omp_threads, body, x, s, penalty, temperature, k,
+              top_p, uniforms, scratch, heaps, exps, ids, logp, ent,
+              ent_top):  # pragma: no cover - numba
+    tag = _publish(ctl, SAMPLING, bounds, helpers)
+    f = FIELDS
+    ctl[f], ctl[f + 1], ctl[f + 2] = x.ctypes.data, x.shape[0], x.shape[1]
+    ctl[f + 3], ctl[f + 4], ctl[f + 5] = s.ctypes.data, s.shape[0], s.shape[1]
+    ctl[f + 6], ctl[f + 7] = k, uniforms.ctypes.data
+    ctl[f + 8], ctl[f + 9] = scratch.ctypes.data, scratch.shape[0]
+    ctl[f + 10], ctl[f + 11] = heaps.ctypes.data, heaps.shape[1]
+    ctl[f + 12], ctl[f + 13], ctl[f + 14] = exps.ctypes.data, exps.shape[0], exps.shape[1]
+    ctl[f + 15], ctl[f + 16] = ids.ctypes.data, logp.ctypes.data
+    ctl[f + 17], ctl[f + 18] = ent.ctypes.data, ent_top.ctypes.data
+    fctl[1], fctl[2], fctl[3] = penalty, temperature, top_p
+    _go(ctl, fctl, tag, bounds.size - 1, omp_threads, body)
+
+
+JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _go, _matmul, _attention,
+        _sampling, _omp_body)
 
 
 def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
-                                         panels.__file__)) -> bool:
+                                         panels.__file__, sampling.__file__)) -> bool:
     """numba's cache checks only the defining file (this one), but the job functions
     embed the kernels of `kernels.py`, `attention.py` and `panels.py`: their cached code
     is dropped (True) when those files differ from the stamp kept beside the cache."""
@@ -326,10 +312,12 @@ class Team:
 
     def __init__(self):
         self.ctl = np.zeros(TAKEN + MAX_HELPERS, np.int64)
-        self.fctl = np.zeros(1, np.float64)
+        self.fctl = np.zeros(4, np.float64)
         self.sleeping: list[bool] = []
         self.wake: list[threading.Event] = []
         self.busy = threading.Lock()
+        # torch's OpenMP pool runs the jobs where this process has torch's libgomp.
+        self.omp = OMP and omp.enabled()
 
     def _start(self, count: int) -> None:
         while len(self.wake) < count:
@@ -360,8 +348,12 @@ class Team:
         if threads > MAX_THREADS or not self.busy.acquire(blocking=False):
             return False
         try:
-            self._rouse(threads - 1)
-            job(self.ctl, self.fctl, _bounds(chunks), threads - 1, *args)
+            if self.omp:  # torch's OpenMP pool; the team's helpers stay asleep
+                job(self.ctl, self.fctl, _bounds(chunks), 0, threads, _omp_body.address,
+                    *args)
+            else:
+                self._rouse(threads - 1)
+                job(self.ctl, self.fctl, _bounds(chunks), threads - 1, 0, 0, *args)
         finally:
             self.busy.release()
         return True
@@ -421,6 +413,25 @@ def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int) -> Non
                                        float(scale), out), units, threads)):
         return
     split.run_chunks(attention.attend_units, args, units, threads)
+
+
+def sample_runner(kernel, args: tuple, units: tuple[tuple[int, int], ...],
+                  threads: int) -> None:
+    """`sampling.sample_numpy`'s `run`: `kernel(*args, lo, hi)` (`sampling.sample_rows`)
+    for every row range of `units`, over `threads` threads: the team where it applies (the
+    arrays as `sample_numpy` makes them), else `split`."""
+    x, s, penalty, temperature, k, top_p, uniforms, scratch, heaps, exps, ids, logp, ent, \
+        ent_top = args
+    if (kernel is sampling.sample_rows and len(units) > 1 and enabled()
+            and _plain(x, scratch, heaps, logp, ent, ent_top)
+            and s.dtype == np.bool_ and uniforms.dtype == exps.dtype == np.float64
+            and ids.dtype == np.int64
+            and all(a.flags.c_contiguous for a in (s, uniforms, exps, ids))
+            and _TEAM.run(_sampling, (x, s, float(penalty), float(temperature), int(k),
+                                      float(top_p), uniforms, scratch, heaps, exps, ids, logp,
+                                      ent, ent_top), units, threads)):
+        return
+    split.run_chunks(kernel, args, units, threads)
 
 
 def warm() -> None:

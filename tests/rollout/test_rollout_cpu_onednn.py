@@ -1,0 +1,112 @@
+"""`appo.rollout.cpu.onednn`: oneDNN's GEMM on weights packed once, against `F.linear`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appo.rollout.cpu import onednn
+from appo.rollout.cpu.matmuls import IMPLEMENTATIONS, RULES
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    onednn.drop()
+    yield
+    onednn.drop()
+
+
+def _case(rows: int, n: int = 200, k: int = 96, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen),
+            torch.randn(n, generator=gen))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 8, 32, 33, 300])
+def test_float32_equals_f_linear_up_to_summation_order(rows):
+    x, w, b = _case(rows)
+    for bias in (None, b):
+        got = onednn.linear(x, w, bias)
+        assert got.shape == (rows, 200) and got.dtype == torch.float32 and got.is_contiguous()
+        # float64 reference: the two float32 results differ by summation order only.
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert len(onednn._packed) == 1  # the packed copy was made once, for both calls
+
+
+def test_leading_dimensions_and_non_contiguous_rows():
+    x, w, b = _case(12)
+    x3 = x.reshape(3, 4, 96)
+    got = onednn.linear(x3, w, b)
+    assert got.shape == (3, 4, 200)
+    assert torch.equal(got.reshape(12, 200), onednn.linear(x, w, b))
+    wide = torch.randn(12, 192)
+    strided = wide[:, ::2]  # a non-contiguous view
+    assert not strided.is_contiguous()
+    assert torch.equal(onednn.linear(strided, w), onednn.linear(strided.contiguous(), w))
+
+
+def test_same_rows_give_the_same_bits_whatever_ran_before():
+    # One packed layout per weight: a row count's result does not depend on the history of
+    # calls (other row counts, a repack), which keeps a seed's rollouts reproducible.
+    x, w, _ = _case(8)
+    first = onednn.linear(x, w)
+    for rows in (1, 64, 3):
+        onednn.linear(torch.randn(rows, 96), w)
+    assert torch.equal(onednn.linear(x, w), first)
+    onednn.drop()
+    assert torch.equal(onednn.linear(x, w), first)
+
+
+def test_an_in_place_update_repacks_the_weight():
+    x, w, _ = _case(4)
+    before = onednn.linear(x, w)
+    packed = onednn.packed(w)
+    with torch.no_grad():
+        w.mul_(2.0)  # what an optimizer step does: same storage, version counter bumped
+    after = onednn.linear(x, w)
+    assert onednn.packed(w) is not packed
+    torch.testing.assert_close(after, 2.0 * before, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(after.double(), F.linear(x.double(), w.double()),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_inference_tensors_and_drop():
+    x, w, _ = _case(5)
+    with torch.inference_mode():
+        wi = w.clone()  # the lean decoder's packed QKV / gate-up copies are such tensors
+        got = onednn.linear(x, wi)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert len(onednn._packed) == 1
+    onednn.drop()
+    assert not onednn._packed
+    del wi  # a dead weight's entry goes with it
+    onednn.linear(x, w)
+    assert len(onednn._packed) == 1
+    del w
+    assert not onednn._packed
+
+
+def test_other_dtypes_fall_back_to_f_linear():
+    x, w, b = _case(3)
+    got = onednn.linear(x.double(), w.double(), b.double())
+    assert torch.equal(got, F.linear(x.double(), w.double(), b.double()))
+    assert not onednn._packed
+
+
+def test_numpy_entry_point_and_registry():
+    x, w, b = _case(6)
+    got = onednn.numpy_linear(x.numpy(), w, b)
+    assert isinstance(got, np.ndarray) and torch.equal(torch.from_numpy(got),
+                                                       onednn.linear(x, w, b))
+    impl = IMPLEMENTATIONS["torch_onednn"]
+    assert not impl.kernel  # needs no numba
+    assert torch.equal(impl.head(x, w), onednn.linear(x, w))
+    # The AVX-512 AMD rule (read on a Zen 5) runs it from 4 rows.
+    rule = RULES["amd-avx512"]
+    assert rule.name_for(3) == "numba_panel" and rule.name_for(4) == "torch_onednn"
+    assert rule.name_for(64) == "torch_onednn"
