@@ -110,3 +110,37 @@ def test_numpy_entry_point_and_registry():
     rule = RULES["amd-avx512"]
     assert rule.name_for(3) == "numba_panel" and rule.name_for(4) == "torch_onednn"
     assert rule.name_for(64) == "torch_onednn"
+
+
+def test_the_engine_prefills_and_decodes_through_onednn_where_the_rule_says():
+    # A rule like the AMD AVX-512 one (oneDNN for prefill and from 4 decode rows): the
+    # engine's tokens and log-probs stay those of plain torch matmuls up to float32
+    # rounding, and the packed copies are made by the prefill.
+    from appo.models import load_model
+    from appo.rollout.cpu.matmuls import MatmulRule
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+
+    lm = load_model("tiny-test", device="cpu")
+    tok = lm.tokenizer
+
+    def run(rule: MatmulRule):
+        eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
+        if eng._lean is None:
+            pytest.skip("the tiny model is not served by the lean decoder")
+        eng._lean.rule = rule
+        rows = [eng.add_row(tok.encode(f"A question, number {i}, about the sea?"))
+                for i in range(5)]
+        outs = eng.decode(rows, 6, SamplingParams(temperature=0.0))
+        return [(o.token_ids, o.logps) for o in outs]
+
+    plain = run(MatmulRule.parse("torch"))
+    assert not onednn._packed
+    got = run(MatmulRule(MatmulRule.parse("1:torch,4:torch_onednn").steps,
+                         prefill="torch_onednn"))
+    assert onednn._packed  # the prefill and the 5-row decode steps went through it
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(got, plain, strict=True):
+        assert ids_a == ids_b  # greedy: the same tokens
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-4)
+    assert RULES["amd-avx512"].prefill == "torch_onednn"
+    assert MatmulRule.parse("numba").prefill == "torch"  # overrides keep torch for prefill

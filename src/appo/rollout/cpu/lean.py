@@ -215,8 +215,10 @@ class LeanDecoder:
     def _matmuls(self, input_ids: Tensor) -> Implementation:
         """How this forward runs its projections and LM head (see `matmuls`)."""
         batch, steps = input_ids.shape
-        if steps != 1 or input_ids.device.type != "cpu":
+        if input_ids.device.type != "cpu":
             return DEFAULT
+        if steps != 1:
+            return self.rule.prefill_implementation()
         return self.rule.implementation(batch)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

@@ -141,15 +141,18 @@ DEFAULT = IMPLEMENTATIONS["torch"]
 @dataclass(frozen=True)
 class MatmulRule:
     """Row count -> implementation: `steps` are `(first row count, name)`, ascending from 1;
-    each name serves row counts from its own up to the next step's."""
+    each name serves row counts from its own up to the next step's. `prefill`: the
+    implementation of the engine's multi-token forwards (prompts, tool results)."""
 
     steps: tuple[tuple[int, str], ...]
+    prefill: str = "torch"
 
     def __post_init__(self):
         firsts = [rows for rows, _ in self.steps]
         if not firsts or firsts[0] != 1 or firsts != sorted(set(firsts)):
             raise AppoError(f"a decode matmul rule starts at 1 row and rises: {self}")
-        unknown = [name for _, name in self.steps if name not in IMPLEMENTATIONS]
+        unknown = [name for _, name in (*self.steps, (0, self.prefill))
+                   if name not in IMPLEMENTATIONS]
         if unknown:
             raise AppoError(f"{', '.join(unknown)}: not a decode matmul implementation "
                             f"(choose from {', '.join(IMPLEMENTATIONS)})")
@@ -177,9 +180,12 @@ class MatmulRule:
     def implementation(self, rows: int) -> Implementation:
         return IMPLEMENTATIONS[self.name_for(rows)]
 
+    def prefill_implementation(self) -> Implementation:
+        return IMPLEMENTATIONS[self.prefill]
+
     @property
     def kernels(self) -> bool:
-        return any(IMPLEMENTATIONS[name].kernel for _, name in self.steps)
+        return any(IMPLEMENTATIONS[name].kernel for _, name in (*self.steps, (0, self.prefill)))
 
 
 # What each rule is read from: benchmarks/decode_kernel.py, 1 torch thread, on the machine
@@ -190,7 +196,10 @@ RULES: dict[str, MatmulRule] = {
     # AMD EPYC Zen 5 (2026-11-28): the panel kernel at 1-3 rows, oneDNN on packed weights
     # from 4 (1.14-1.29x the wide kernel at 8-64 rows, 1 and 2 threads). On a Zen 4, before
     # the panel kernel and oneDNN: the row kernel up to 7 rows, the wide one from 8.
-    "amd-avx512": MatmulRule.parse("1:numba_panel,4:torch_onednn"),
+    # Prefill too: oneDNN ran the step's projections at 16-512 rows 2.2-2.3x faster than
+    # MKL, whose kernels stay on AVX2 on AMD CPUs (Zen 5).
+    "amd-avx512": MatmulRule(MatmulRule.parse("1:numba_panel,4:torch_onednn").steps,
+                             prefill="torch_onednn"),
     # AMD EPYC Zen 3: the panel kernel at every row count (faster than the row and tile
     # kernels it replaced at 1-32 rows, 1 and 2 threads; MKL's threaded GEMM at 16-32 rows
     # was slower still, and far slower on a busy machine).
