@@ -439,6 +439,7 @@ CHOICES: dict[str, tuple[str, ...] | Names] = {
     "rollout.name": ("hf", "vllm", "openai", "auto"),
     "trainer.parallel": ("auto", "ddp", "fsdp"),
     "trainer.mmap_threshold_scope": ("process", "except_forward"),
+    "actor.cpu_matmul": ("auto", "torch", "onednn"),
     # The registry itself (built-ins and strategies registered at run time; torch-free).
     "rollout.strategy": Names(STRATEGIES),
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),

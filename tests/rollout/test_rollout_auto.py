@@ -39,11 +39,22 @@ def test_decode_speeds_are_the_measured_ones_and_interpolate_between(monkeypatch
     assert decode_speeds(256) == decode_speeds(32)
 
 
-def test_with_the_measured_table_a_cpu_run_stays_on_hf(vllm_present):
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_with_the_measured_table_a_cpu_run_stays_on_hf(vllm_present, monkeypatch, isa):
+    monkeypatch.setattr(auto, "CPU_DECODE", auto.CPU_DECODE_BY_ISA[isa])
     for rows in (1, 8, 16, 32, 256):
         assert break_even_tokens(rows) == math.inf
         choice = choose_engine(Workload(rows, 10_000, 512), cuda=False)
-        assert choice.name == "hf" and "hf decodes" in choice.reason
+        assert choice.name == "hf"
+        assert "hf decodes" in choice.reason or "within the table's noise" in choice.reason
+
+
+def test_a_lead_under_the_minimum_is_no_lead(vllm_present, monkeypatch):
+    monkeypatch.setattr(auto, "CPU_DECODE", ((8, 100.0, 104.0), (32, 100.0, 106.0)))
+    assert break_even_tokens(8) == math.inf
+    assert choose_engine(Workload(8, 10_000, 512), cuda=False).name == "hf"
+    assert break_even_tokens(32) < math.inf  # 1.06x: a lead
+    assert choose_engine(Workload(32, 100_000, 512), cuda=False).name == "vllm"
 
 
 def test_break_even_is_the_start_up_gap_over_the_time_saved_per_token(vllm_faster):
@@ -201,3 +212,29 @@ def test_trainer_hands_auto_its_training_workload(tiny_lm, monkeypatch, tmp_path
     trainer = RLTrainer(cfg, lm=tiny_lm, progress=False)
     assert seen == [Workload(8, 3, 16)]
     assert trainer.engine.name == "hf"
+
+
+def test_the_table_follows_the_cpus_vector_width(monkeypatch, tmp_path):
+    import builtins
+
+    real_open = builtins.open
+
+    def cpuinfo(flags: str):
+        def fake(path, *a, **kw):
+            if path == "/proc/cpuinfo":
+                f = tmp_path / "cpuinfo"
+                f.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+                return real_open(f, *a, **kw)
+            return real_open(path, *a, **kw)
+        return fake
+
+    monkeypatch.setattr(builtins, "open", cpuinfo("fpu sse avx2 fma avx512f avx512bw"))
+    assert auto.cpu_isa() == "avx512"
+    monkeypatch.setattr(builtins, "open", cpuinfo("fpu sse avx2 fma"))
+    assert auto.cpu_isa() == "avx2"
+    # Both tables hold the measured sizes, and this machine's is the one in use.
+    assert set(auto.CPU_DECODE_BY_ISA) == {"avx2", "avx512"}
+    for table in auto.CPU_DECODE_BY_ISA.values():
+        assert [r for r, _, _ in table] == [8, 32]
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert auto.CPU_DECODE == auto.CPU_DECODE_BY_ISA[auto.cpu_isa()]

