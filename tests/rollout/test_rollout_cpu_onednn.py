@@ -106,10 +106,10 @@ def test_numpy_entry_point_and_registry():
     impl = IMPLEMENTATIONS["torch_onednn"]
     assert not impl.kernel  # needs no numba
     assert torch.equal(impl.head(x, w), onednn.linear(x, w))
-    # The AVX-512 AMD rule (read on a Zen 5) runs it from 4 rows.
+    # The AVX-512 AMD rule (read on a Zen 5) runs it at every row count and for prefill.
     rule = RULES["amd-avx512"]
-    assert rule.name_for(3) == "numba_panel" and rule.name_for(4) == "torch_onednn"
-    assert rule.name_for(64) == "torch_onednn"
+    assert {rule.name_for(r) for r in (1, 3, 4, 64)} == {"torch_onednn"}
+    assert rule.prefill == "torch_onednn" and not rule.kernels
 
 
 def test_the_engine_prefills_and_decodes_through_onednn_where_the_rule_says():

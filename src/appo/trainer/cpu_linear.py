@@ -11,8 +11,10 @@ backward products through oneDNN (`_OneDNNLinear`): `y = x W^T + b`, `dx = dy W`
 checkpointing's recomputation runs inside the block too, so it recomputes the same values.
 
 `actor.cpu_matmul`: `auto` (the default) uses it where the decode rule does (an AMD CPU with
-AVX-512, float32, CPU, one process: `uses_onednn`), `torch` never, `onednn` wherever oneDNN
-is available. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards).
+AVX-512, float32, CPU: `uses_onednn`), `torch` never, `onednn` wherever oneDNN is
+available. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards). It
+covers the RL update and its no-grad log-prob passes, and SFT (`appo sft`, the demo's cold
+start); not the critic.
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: boo
 
     avx512 = kernels.available() and kernels.wide_registers()
     return rule_name(True, cpu_info()["vendor"], avx512, torch.get_num_threads()) == "amd-avx512"
+
+
+def sft_onednn(cfg, model: torch.nn.Module) -> bool:
+    """`uses_onednn` for an `appo sft` run of `model` under `cfg` (float32 master weights
+    without autocast; SFT runs in one process)."""
+    from appo.trainer.precision import train_compute_dtype
+
+    param = next(model.parameters())
+    return train_compute_dtype(cfg) is None and uses_onednn(
+        cfg.actor.cpu_matmul, param.device, param.dtype, fsdp=False)
 
 
 @contextlib.contextmanager

@@ -178,7 +178,8 @@ def _sft_stage(trainer, cfg) -> Any:
     result = train_sft(trainer.model, trainer.tokenizer, data.examples,
                        sft, seed=cfg.trainer.seed, logger=logger,
                        gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-                       lora=trainer.lora, save_merged=cfg.model.lora_save_merged)
+                       lora=trainer.lora, save_merged=cfg.model.lora_save_merged,
+                       onednn=trainer.onednn_train)
     logger.close()
     trim_freed_memory()  # SFT's AdamW states and activations, before RL allocates its own
     # The weights changed outside the RL loop: engines with their own copy (vllm, the LoRA

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from appo.trainer.checkpoint import save_checkpoint
+from appo.trainer.cpu_linear import onednn_linears
 from appo.trainer.guards import SFT_HINT, check_finite
 from appo.trainer.memory import forward_allocations
 from appo.trainer.metrics import MetricsLogger
@@ -127,13 +128,16 @@ def train_sft(
     compute_dtype: torch.dtype | None = None,
     lora: Any = None,
     save_merged: bool = False,
+    onednn: bool = False,
 ) -> SFTResult:
     """Run SFT in place on `model` under `params` (an `appo.config.SFTConfig`: `sft.*`);
     checkpoints go to `params.output_dir`. Returns the loss curve and the final checkpoint
     path. `seed` (`trainer.seed`) orders the data. `compute_dtype`: the forwards' autocast
     dtype over float32 master weights (`appo.trainer.precision`), or None. `lora` (an
     `appo.models.lora.LoraPolicy` whose `model` is `model`): checkpoints hold its adapter,
-    plus the merged model in `merged/` when `save_merged` (`model.lora_save_merged`)."""
+    plus the merged model in `merged/` when `save_merged` (`model.lora_save_merged`).
+    `onednn`: the linears' forward and backward through oneDNN (`actor.cpu_matmul`,
+    `appo.trainer.cpu_linear`)."""
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -181,11 +185,13 @@ def train_sft(
             for m in range(0, len(window), params.batch_size):
                 for micro in token_micro_batches(window[m : m + params.batch_size],
                                                  params.max_tokens_per_micro_batch):
-                    with forward_allocations():
-                        loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
-                                                            compute_dtype=compute_dtype)
-                    loss = loss_sum / max(step_tokens, 1)
-                    loss.backward()
+                    # The backward in the block too: checkpointing recomputes through it.
+                    with onednn_linears(model, onednn):
+                        with forward_allocations():
+                            loss_sum, _ = masked_token_loss_sum(model, micro, pad_id,
+                                                                compute_dtype=compute_dtype)
+                        loss = loss_sum / max(step_tokens, 1)
+                        loss.backward()
                     loss_total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip)
             check_finite(step + 1, SFT_HINT,

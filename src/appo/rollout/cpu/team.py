@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import types
 
-from appo.rollout.cpu import attention, kernels, omp, panels, sampling, split
+from appo.rollout.cpu import atomics, attention, kernels, omp, panels, sampling, split
 from appo.rollout.cpu.atomics import (
     bool_at,
     compare_exchange,
@@ -216,8 +216,7 @@ def _lead(ctl, fctl, tag, count):  # pragma: no cover - numba
         pause()
 
 
-@numba.cfunc(types.void(types.voidptr), cache=True)
-def _omp_body(data):  # pragma: no cover - numba
+def _omp_body_py(data):  # pragma: no cover - numba (compiled below, `_omp_cfunc`)
     # Each OpenMP thread of the region (the caller included) takes chunks of the job.
     ctl = numba.carray(data, (TAKEN + MAX_HELPERS,), np.int64)
     fetch_add(ctl, ENTERED, 1)
@@ -283,14 +282,16 @@ def _sampling(ctl, fctl, bounds, helpers, omp_threads, body, x, s, penalty, temp
 
 
 JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _go, _matmul, _attention,
-        _sampling, _omp_body)
+        _sampling)
 
 
 def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
-                                         panels.__file__, sampling.__file__)) -> bool:
+                                         panels.__file__, sampling.__file__,
+                                         atomics.__file__)) -> bool:
     """numba's cache checks only the defining file (this one), but the job functions
-    embed the kernels of `kernels.py`, `attention.py` and `panels.py`: their cached code
-    is dropped (True) when those files differ from the stamp kept beside the cache."""
+    embed the kernels of `kernels.py`, `attention.py`, `panels.py` and `sampling.py` and
+    the intrinsics of `atomics.py`: their cached code is dropped (True) when those files
+    differ from the stamp kept beside the cache (`_omp_cfunc` drops the OpenMP body's)."""
     try:
         stamp = hashlib.sha256(b"".join(Path(p).read_bytes() for p in sources)).hexdigest()
         stamp_file = Path(jobs[0]._cache._cache_path) / "team.depends"
@@ -304,7 +305,22 @@ def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
         return False
 
 
-drop_stale_cache()
+def _omp_cfunc(stale: bool):
+    """`_omp_body_py` as a C callback (`void (*)(void *)`), cached like the jobs: made here,
+    after the stale check, because a `cfunc` compiles (or loads its cache) when made."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+
+    sig = sigutils.normalize_signature(types.void(types.voidptr))
+    body = CFunc(_omp_body_py, sig, locals={}, options={})
+    body.enable_caching()
+    if stale:
+        body._cache.flush()
+    body.compile()
+    return body
+
+
+_omp_body = _omp_cfunc(drop_stale_cache())
 
 
 class Team:
