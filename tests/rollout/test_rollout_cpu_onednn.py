@@ -144,3 +144,40 @@ def test_the_engine_prefills_and_decodes_through_onednn_where_the_rule_says():
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-4)
     assert RULES["amd-avx512"].prefill == "torch_onednn"
     assert MatmulRule.parse("numba").prefill == "torch"  # overrides keep torch for prefill
+
+
+def test_an_all_onednn_rule_keeps_qkv_and_gate_up_packed_only():
+    # Under a rule that multiplies through oneDNN everywhere, the lean decoder's
+    # concatenated QKV and gate/up exist only in oneDNN's layout (no dense copy beside the
+    # packed one); the tokens and log-probs are those of the dense copies; a rule change
+    # repacks them dense.
+    from appo.models import load_model
+    from appo.rollout.cpu.matmuls import MatmulRule
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+
+    lm = load_model("tiny-test", device="cpu")
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
+    if eng._lean is None:
+        pytest.skip("the tiny model is not served by the lean decoder")
+    lean = eng._lean
+
+    def run(rule):
+        lean.rule = rule
+        rows = [eng.add_row(tok.encode(f"Tell me about the number {i}.")) for i in range(3)]
+        outs = eng.decode(rows, 5, SamplingParams(temperature=0.0))
+        eng.release(rows)
+        return [(o.token_ids, o.logps) for o in outs]
+
+    only = MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn")
+    got = run(only)
+    assert all(lw.qkv.layout == torch._mkldnn and lw.gate_up.layout == torch._mkldnn
+               for lw in lean._layers)
+    assert all(w.layout == torch.strided for w in lean.matrices())  # dense for benchmarks
+    mixed = MatmulRule(MatmulRule.parse("1:torch,2:torch_onednn").steps, prefill="torch_onednn")
+    want = run(mixed)
+    assert all(lw.qkv.layout == torch.strided for lw in lean._layers)  # repacked dense
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(got, want, strict=True):
+        assert ids_a == ids_b
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-4)

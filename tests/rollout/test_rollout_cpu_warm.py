@@ -9,8 +9,10 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from appo.rollout.cpu import kernels
+from appo.rollout.cpu.matmuls import decode_rule
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba not installed")
 
@@ -56,9 +58,11 @@ def test_warm_compiles_every_signature_a_rollout_calls():
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     before, after = seen["before"], seen["after"]
-    # The fused step's kernels and at least one matmul kernel of this machine's rule.
+    # The fused step's kernels and at least one matmul kernel of this machine's rule (where
+    # it names one: the AMD AVX-512 rule multiplies through oneDNN alone).
     assert all(before.get(name) for name in ("rope_write", "attend_units", "rms_norm",
                                              "add_rms_norm", "silu_mul", "sample_rows",
                                              "_matmul", "_attention", "_serve")), before
-    assert any(name.startswith("kernels.") and sigs for name, sigs in before.items()), before
+    if decode_rule(torch.float32, torch.device("cpu"), True).kernels:
+        assert any(name.startswith("kernels.") and sigs for name, sigs in before.items()), before
     assert after == before  # the later decodes compiled (or loaded) nothing new

@@ -147,8 +147,17 @@ class LeanDecoder:
     def _version_key(self) -> tuple:
         return tuple((p._version, p.data_ptr()) for p in self.model.parameters())
 
+    def _onednn_only(self) -> bool:
+        """Whether every forward of this decoder multiplies through oneDNN (the rule at
+        every row count and for prefill): the concatenated QKV and gate/up are then kept in
+        oneDNN's layout alone, not also as dense copies (`onednn.pack`)."""
+        names = {name for _, name in self.rule.steps} | {self.rule.prefill}
+        return (names == {"torch_onednn"} and onednn.available() and self.dtype == torch.float32
+                and next(self.model.parameters()).device.type == "cpu")
+
     def _pack(self) -> None:
         layers = []
+        packed = onednn.pack if self._onednn_only() else (lambda w: w)
         for layer in self.base.layers:
             att, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(att, "q_norm", None)
@@ -156,12 +165,12 @@ class LeanDecoder:
             layers.append(_Layer(
                 in_norm=layer.input_layernorm.weight.detach(),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-                .detach(),
+                qkv=packed(torch.cat([att.q_proj.weight, att.k_proj.weight,
+                                      att.v_proj.weight]).detach()),
                 qkv_bias=_bias(att.q_proj, att.k_proj, att.v_proj),
                 o=att.o_proj.weight.detach(),
                 o_bias=_bias(att.o_proj),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                gate_up=packed(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()),
                 gate_up_bias=_bias(mlp.gate_proj, mlp.up_proj),
                 down=mlp.down_proj.weight.detach(),
                 down_bias=_bias(mlp.down_proj),
@@ -185,7 +194,8 @@ class LeanDecoder:
         storage of every parameter: a walk over all modules, ~1 ms on SmolLM2)."""
         if self._pinned:
             return
-        key = self._version_key()
+        # The rule too: it decides whether the QKV / gate-up copies are dense or packed.
+        key = (self._version_key(), self.rule)
         if key != self._key:
             self._layers = []  # drop the old copies before making new ones
             self._pack()
@@ -207,7 +217,8 @@ class LeanDecoder:
         """The weights a decode step multiplies, in order: every layer's packed QKV, O,
         packed gate/up and down, then the LM head (when it is a plain `nn.Linear`)."""
         self.refresh()
-        out = [w for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        out = [w.to_dense() if w.layout == torch._mkldnn else w
+               for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         head = self.model.lm_head
         return out + ([head.weight.detach()] if type(head) is torch.nn.Linear else [])
 
@@ -217,8 +228,8 @@ class LeanDecoder:
         batch, steps = input_ids.shape
         if input_ids.device.type != "cpu":
             return DEFAULT
-        if steps != 1:
-            return self.rule.prefill_implementation()
+        if steps != 1:  # torch's own linear unless the rule names another for prefill
+            return DEFAULT if self.rule.prefill == "torch" else self.rule.prefill_implementation()
         return self.rule.implementation(batch)
 
     def _decode_attention(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:

@@ -51,9 +51,18 @@ def _pack(weight: Tensor) -> Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
+def pack(weight: Tensor) -> Tensor:
+    """A packed copy of `weight` `[N, K]` that `linear` takes as its weight (a oneDNN
+    tensor, `layout=torch._mkldnn`): for a caller that keeps the packed copy instead of the
+    dense one (the lean decoder's concatenated QKV and gate/up under an all-oneDNN rule)."""
+    return _pack(weight)
+
+
 def packed(weight: Tensor) -> Tensor:
     """`weight` `[N, K]` in oneDNN's layout, made on first use and remade when the tensor's
-    storage or version counter has changed."""
+    storage or version counter has changed (a weight already packed: itself)."""
+    if weight.layout == torch._mkldnn:
+        return weight
     # Inference-mode tensors keep no version counter; they are remade, not updated.
     version = -1 if weight.is_inference() else weight._version
     return per_tensor(_packed, weight, (weight.data_ptr(), version), _pack)
@@ -64,6 +73,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     weight (float32 on CPU; otherwise `F.linear` itself)."""
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
             or not available()):
+        if weight.layout == torch._mkldnn:  # packed by `pack`: back to a dense tensor
+            weight = weight.to_dense()
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if not rows.is_contiguous():
