@@ -106,12 +106,28 @@ def test_the_switch(monkeypatch):
     assert not uses_onednn("onednn", cpu, torch.float32, True)  # FSDP
     assert not uses_onednn("onednn", cpu, torch.bfloat16, False)
     assert not uses_onednn("onednn", torch.device("cuda", 0), torch.float32, False)
-    from appo.rollout.cpu import matmuls
-
-    monkeypatch.setattr(matmuls, "rule_name", lambda *a: "amd-avx512")
+    monkeypatch.setattr(cpu_linear, "_amd_avx512", lambda: True)
     assert uses_onednn("auto", cpu, torch.float32, False)
-    monkeypatch.setattr(matmuls, "rule_name", lambda *a: "amd-avx2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not uses_onednn("auto", cpu, torch.float32, False)  # MKL from 3 threads
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_linear, "_amd_avx512", lambda: False)
     assert not uses_onednn("auto", cpu, torch.float32, False)
+
+
+def test_deciding_imports_no_numba():
+    # vLLM's engine start-up scans every loaded module and fails on llvmlite's FFI object:
+    # the trainer decides before its vLLM engine starts, so the decision imports no numba.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from appo.trainer.cpu_linear import uses_onednn\n"
+            "uses_onednn('auto', torch.device('cpu'), torch.float32, False)\n"
+            "assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_the_config_key_takes_its_choices_only():

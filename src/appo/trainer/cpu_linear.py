@@ -68,19 +68,38 @@ def available() -> bool:
     return onednn.available()
 
 
+def _amd_avx512() -> bool:
+    """An AMD CPU with AVX-512, read from /proc/cpuinfo. Not through numba's LLVM binding
+    (the decode rule's check): importing numba here, before a vLLM engine starts, breaks
+    vLLM's start-up, which scans every loaded module (llvmlite's FFI object among them)."""
+    vendor, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "flags" and not flags:
+                    flags = value
+                if vendor and flags:
+                    break
+    except OSError:
+        return False
+    return vendor == "AuthenticAMD" and "avx512f" in flags.split()
+
+
 def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: bool) -> bool:
-    """Whether `actor.cpu_matmul=choice` routes this run's training linears through oneDNN."""
+    """Whether `actor.cpu_matmul=choice` routes this run's training linears through oneDNN:
+    `auto` on an AMD CPU with AVX-512 and at most 2 torch threads (where the decode rule
+    uses oneDNN; more threads take MKL there too)."""
     if choice == "torch" or fsdp or device.type != "cpu" or dtype != torch.float32:
         return False
     if not available():
         return False
     if choice == "onednn":
         return True
-    import appo.rollout.cpu.kernels as kernels
-    from appo.rollout.cpu.matmuls import cpu_info, rule_name
-
-    avx512 = kernels.available() and kernels.wide_registers()
-    return rule_name(True, cpu_info()["vendor"], avx512, torch.get_num_threads()) == "amd-avx512"
+    return _amd_avx512() and torch.get_num_threads() <= 2
 
 
 def sft_onednn(cfg, model: torch.nn.Module) -> bool:
