@@ -55,14 +55,9 @@ CPU_DECODE_BY_ISA: dict[str, tuple[tuple[int, float, float], ...]] = {
 
 def cpu_isa() -> str:
     """"avx512" where the CPU has AVX-512 (`avx512f` in /proc/cpuinfo), else "avx2"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512" if "avx512f" in line.split() else "avx2"
-    except OSError:
-        pass
-    return "avx2"
+    from appo.rollout.cpu.cpuinfo import read
+
+    return "avx512" if "avx512f" in read()["flags"] else "avx2"
 
 
 CPU_DECODE: tuple[tuple[int, float, float], ...] = CPU_DECODE_BY_ISA[cpu_isa()]

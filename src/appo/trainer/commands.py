@@ -22,7 +22,7 @@ def _sft(args: argparse.Namespace) -> int:
     from appo.errors import AppoError
     from appo.models import load_model
     from appo.models.lora import apply_lora
-    from appo.trainer.cpu_linear import sft_onednn
+    from appo.trainer.cpu_linear import run_uses_onednn
     from appo.trainer.metrics import MetricsLogger
     from appo.trainer.precision import master_dtype, train_compute_dtype
     from appo.trainer.rundir import open_run_dir
@@ -62,7 +62,7 @@ def _sft(args: argparse.Namespace) -> int:
                            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                            compute_dtype=train_compute_dtype(cfg), lora=lora,
                            save_merged=cfg.model.lora_save_merged,
-                           onednn=sft_onednn(cfg, lm.model))
+                           onednn=run_uses_onednn(cfg, lm.model))
     logger.close()
     last = result.train_loss[-1] if result.train_loss else float("nan")
     print(f"appo sft: {result.steps} steps in {result.seconds:.0f} s, final loss {last:.4f}"

@@ -26,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHOICES = ("auto", "torch", "onednn")
-
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     """`a @ b^T` (`[M, K] x [N, K] -> [M, N]`) through oneDNN, both operands contiguous."""
@@ -69,24 +67,12 @@ def available() -> bool:
 
 
 def _amd_avx512() -> bool:
-    """An AMD CPU with AVX-512, read from /proc/cpuinfo. Not through numba's LLVM binding
-    (the decode rule's check): importing numba here, before a vLLM engine starts, breaks
-    vLLM's start-up, which scans every loaded module (llvmlite's FFI object among them)."""
-    vendor, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "flags" and not flags:
-                    flags = value
-                if vendor and flags:
-                    break
-    except OSError:
-        return False
-    return vendor == "AuthenticAMD" and "avx512f" in flags.split()
+    """An AMD CPU with AVX-512 (`cpuinfo`: numba-free, unlike the decode rule's check, so
+    deciding before a vLLM engine starts imports no numba)."""
+    from appo.rollout.cpu.cpuinfo import cpu_info
+
+    info = cpu_info()
+    return info["vendor"] == "AuthenticAMD" and "avx512f" in info["flags"]
 
 
 def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: bool) -> bool:
@@ -102,14 +88,14 @@ def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: boo
     return _amd_avx512() and torch.get_num_threads() <= 2
 
 
-def sft_onednn(cfg, model: torch.nn.Module) -> bool:
-    """`uses_onednn` for an `appo sft` run of `model` under `cfg` (float32 master weights
-    without autocast; SFT runs in one process)."""
+def run_uses_onednn(cfg, model: torch.nn.Module, fsdp: bool = False) -> bool:
+    """`uses_onednn` for a run of `model` under `cfg`: float32 master weights without
+    autocast (`appo.trainer.precision`)."""
     from appo.trainer.precision import train_compute_dtype
 
     param = next(model.parameters())
     return train_compute_dtype(cfg) is None and uses_onednn(
-        cfg.actor.cpu_matmul, param.device, param.dtype, fsdp=False)
+        cfg.actor.cpu_matmul, param.device, param.dtype, fsdp)
 
 
 @contextlib.contextmanager

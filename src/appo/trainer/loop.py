@@ -32,7 +32,7 @@ import torch
 from appo.algos import AdvantageParams
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch, compute_advantages, row_mean_advantages
-from appo.trainer.cpu_linear import onednn_linears, uses_onednn
+from appo.trainer.cpu_linear import onednn_linears, run_uses_onednn
 from appo.trainer.critic import Critic, uses_critic
 from appo.trainer.distributed import DataParallel, GradSync, rank_device
 from appo.trainer.evaluate import Evaluation, evaluate
@@ -369,9 +369,7 @@ class RLTrainer:
         self.compute_dtype = (train_compute_dtype(cfg)
                               if next(self.model.parameters()).dtype == torch.float32 else None)
         # The training linears through oneDNN where MKL is slow (appo.trainer.cpu_linear).
-        param = next(self.model.parameters())
-        self.onednn_train = (self.compute_dtype is None and uses_onednn(
-            cfg.actor.cpu_matmul, param.device, param.dtype, self.fsdp))
+        self.onednn_train = run_uses_onednn(cfg, self.model, self.fsdp)
         self.tokenizer = self.lm.tokenizer
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = apply_lora(self.model, cfg.model)  # None: full fine-tuning

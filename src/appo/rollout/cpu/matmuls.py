@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +31,7 @@ from torch import Tensor
 
 from appo.errors import AppoError
 from appo.rollout.cpu import kernels, onednn
+from appo.rollout.cpu.cpuinfo import cpu_info
 
 HEAD_BLOCK = 1024
 FORCE_ENV = "APPO_DECODE_MATMUL"
@@ -216,23 +215,6 @@ RULES: dict[str, MatmulRule] = {
 # is not yet timed on a quiet machine, neither where a rule names them nor against MKL
 # where it does not. With more threads MKL's threaded GEMM is the safer default.
 MAX_RULE_THREADS = 2
-
-
-@functools.cache
-def cpu_info() -> dict[str, str]:
-    """The CPU's `vendor` (e.g. AuthenticAMD, GenuineIntel) and `model` name."""
-    info = {"vendor": "", "model": platform.processor() or platform.machine()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                info["vendor"] = value.strip()
-            elif key.strip() == "model name":
-                info["model"] = value.strip()
-                break
-    except OSError:
-        pass
-    return info
 
 
 def rule_name(use_kernels: bool, vendor: str, avx512: bool, threads: int) -> str:

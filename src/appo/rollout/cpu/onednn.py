@@ -46,16 +46,13 @@ def available() -> bool:
         return False
 
 
-def _pack(weight: Tensor) -> Tensor:
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
-
-
 def pack(weight: Tensor) -> Tensor:
     """A packed copy of `weight` `[N, K]` that `linear` takes as its weight (a oneDNN
-    tensor, `layout=torch._mkldnn`): for a caller that keeps the packed copy instead of the
-    dense one (the lean decoder's concatenated QKV and gate/up under an all-oneDNN rule)."""
-    return _pack(weight)
+    tensor, `layout=torch._mkldnn`): `packed`'s cached copies, or a caller's that keeps the
+    packed copy instead of the dense one (the lean decoder's concatenated QKV and gate/up
+    under an all-oneDNN rule)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
 def packed(weight: Tensor) -> Tensor:
@@ -65,7 +62,7 @@ def packed(weight: Tensor) -> Tensor:
         return weight
     # Inference-mode tensors keep no version counter; they are remade, not updated.
     version = -1 if weight.is_inference() else weight._version
-    return per_tensor(_packed, weight, (weight.data_ptr(), version), _pack)
+    return per_tensor(_packed, weight, (weight.data_ptr(), version), pack)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
