@@ -9,6 +9,11 @@ or branch points get ranked by it. Prints, per dtype and sampling setting, the l
 
     .venv/bin/python benchmarks/appo_lr_noise.py                     # float32,bfloat16,float16
     .venv/bin/python benchmarks/appo_lr_noise.py --dtypes float32 --max-tokens 384
+    .venv/bin/python benchmarks/appo_lr_noise.py --dtypes float32,float32+bf16w
+
+`float32+bf16w`: a float32 model whose engine decodes with `rollout.cpu_weights=bfloat16`
+(bfloat16 matmul weights), scored by the float32 model: how far the engine's behaviour
+log-probs sit from the float32 trainer's.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ def main() -> None:
     samplings = {"plain": SamplingParams(),
                  "eval": SamplingParams(temperature=0.6, top_p=0.95, top_k=20,
                                         repetition_penalty=1.1)}
-    print("| dtype | sampling | rows (tokens) | max abs lr | FV spread per row, max / median |")
-    print("| --- | --- | --- | --- | --- |")
-    for dtype in args.dtypes.split(","):
+    print("| dtype | sampling | rows (tokens) | max abs lr | mean abs lr | "
+          "FV spread per row, max / median |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for spec in args.dtypes.split(","):
+        dtype, _, weights = spec.partition("+")
+        cpu_weights = {"": "float32", "bf16w": "bfloat16"}[weights]
         lm = load_model(args.model, dtype=dtype, device="cpu")
         tok = lm.tokenizer
         prompts = [RolloutPrompt(f"q{i}", list(tok.apply_chat_template(
@@ -49,10 +57,10 @@ def main() -> None:
             t0 = time.perf_counter()
             settings = RolloutSettings(n=4, initial_rollouts=4, sampling=params,
                                        max_response_length=args.max_tokens)
-            batch = rollout(prompts, HFEngine(lm.model, tok, seed=0), None, settings,
-                            strategy="grpo")
+            batch = rollout(prompts, HFEngine(lm.model, tok, seed=0, cpu_weights=cpu_weights),
+                            None, settings, strategy="grpo")
             current = hf_score_fn(lm.model, params)(batch.trajectories)
-            spreads, worst = [], 0.0
+            spreads, worst, total, count = [], 0.0, 0.0, 0
             for traj, cur in zip(batch.trajectories, current, strict=True):
                 mask = torch.tensor(traj.sampled_mask(), dtype=torch.bool)
                 rollout_lp = torch.tensor(traj.logp_rollout)
@@ -60,10 +68,13 @@ def main() -> None:
                                           lr_noise_tol=0.0)
                 spreads.append(float(scores.fv[mask].std(unbiased=False)))
                 lr = (cur - rollout_lp)[mask]
-                worst = max(worst, float(lr[torch.isfinite(lr)].abs().max()))
+                finite = lr[torch.isfinite(lr)].abs()
+                worst = max(worst, float(finite.max()))
+                total, count = total + float(finite.sum()), count + finite.numel()
             spreads.sort()
             tokens = sum(len(t.response_ids) for t in batch.trajectories)
-            print(f"| {dtype} | {name} | {len(spreads)} ({tokens}) | {worst:.2e} | "
+            print(f"| {spec} | {name} | {len(spreads)} ({tokens}) | {worst:.2e} | "
+                  f"{total / max(count, 1):.2e} | "
                   f"{spreads[-1]:.2e} / {spreads[len(spreads) // 2]:.2e} |  "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
 

@@ -37,6 +37,7 @@ committed `src` tree, library versions), so it can be stopped and resumed.
     python benchmarks/engines.py --rows 2 --new-tokens 8 --repeats 1 --out /tmp/e.md  # smoke
     python benchmarks/engines.py --decide 16      # hf or vllm for 16 rows, from the log
     python benchmarks/engines.py --prefix-caching none --base ../appo-base  # before / after
+    python benchmarks/engines.py --cpu-weights bfloat16 --base .   # bf16 weights vs float32
 
 `--base TREE` adds engine `hf-base`: the same hf worker with TREE's `src` first on the path
 (a git worktree of the commit before a change), interleaved with `hf` in every repeat; its
@@ -86,7 +87,10 @@ def _make_engine(args):
 
         t1 = time.perf_counter()
         lm = load_model(args.model, device="cpu")
-        eng = HFEngine(lm.model, lm.tokenizer, seed=0, eos_ids=frozenset())
+        # --cpu-weights: the `hf` worker only (an older --base tree may not know the key).
+        extra = ({"cpu_weights": args.cpu_weights}
+                 if args.worker == "hf" and args.cpu_weights != "float32" else {})
+        eng = HFEngine(lm.model, lm.tokenizer, seed=0, eos_ids=frozenset(), **extra)
         lean = getattr(eng, "_lean", None)
         info["decode_rule"] = str(getattr(lean, "rule", None))
         info["dtype"] = str(eng.dtype)
@@ -169,7 +173,7 @@ class Worker:
                        [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
                "--threads", str(args.threads), "--model", args.model,
-               "--kv-cache-gib", str(args.kv_cache_gib),
+               "--kv-cache-gib", str(args.kv_cache_gib), "--cpu-weights", args.cpu_weights,
                "--vllm-logprobs", str(args.vllm_logprobs)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, cwd=REPO)
@@ -440,6 +444,7 @@ def config_key(args, mach: dict, vers: dict) -> dict:
     return {"model": args.model, "new_tokens": args.new_tokens, "threads": args.threads,
             "per_prompt": args.per_prompt, "template": args.template, "data": args.data,
             "vllm_logprobs": args.vllm_logprobs, "kv_cache_gib": args.kv_cache_gib,
+            **({"cpu_weights": args.cpu_weights} if args.cpu_weights != "float32" else {}),
             "cpu": mach["cpu"], "src": src_tree(), "versions": vers,
             **({"base_src": src_tree(args.base)} if args.base else {})}
 
@@ -467,6 +472,8 @@ def main() -> None:
     p.add_argument("--data", default="synth:arith?split=train&levels=2,3")
     p.add_argument("--template", default="code_search")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--cpu-weights", choices=("float32", "bfloat16"), default="float32",
+                   help="the hf engine's rollout.cpu_weights (hf only; not hf-base)")
     p.add_argument("--vllm-logprobs", type=int, default=20,
                    help="top log-probs per token vLLM returns (VLLMEngine's default)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "engines.md",

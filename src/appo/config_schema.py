@@ -197,6 +197,13 @@ class RolloutConfig:
     # vllm engine: reuse the KV cache of shared prefixes (a group's prompt, a branch's
     # parent) across requests.
     enable_prefix_caching: bool = True
+    # hf engine on CPU: the dtype of the weight copies its matmuls read (every projection
+    # and the LM head, prefill and decode). bfloat16: half the bytes per decode step,
+    # oneDNN's bf16 kernels (inputs rounded to bfloat16, float32 accumulation); needs a CPU
+    # with avx512_bf16 or amx_bf16 and a float32 model. Norms, attention, the KV cache and
+    # sampling stay float32; behaviour log-probs then differ from the float32 trainer's
+    # (benchmarks/RESULTS.md, "bf16 decode weights"). float32: the model's own weights.
+    cpu_weights: str = "float32"
     # The rollout engine's base sampling seed (appo rollout --seed); training steps seed
     # their rollouts from trainer.seed and the step.
     seed: int = 0
@@ -445,6 +452,7 @@ CHOICES: dict[str, tuple[str, ...] | Names] = {
     "rollout.entropy_measure": ("mean", "seed_topk_sum"),
     "rollout.on_limit": ("stop", "notify"),
     "rollout.weight_transfer": ("auto", "file", "group"),
+    "rollout.cpu_weights": ("float32", "bfloat16"),
     "tools.format": ("tags", "hermes"),
     # Registries too (appo.registry; their built-ins are appo.algos' tables).
     "algorithm.adv_estimator": Names(ADV_ESTIMATORS),

@@ -77,6 +77,7 @@ def build_engine(cfg: Any, lm: Any = None, workload: Any = None, announce: bool 
             raise AppoError("the hf rollout engine needs a loaded model (appo.models.load_model)")
         from appo.rollout.hf_engine import HFEngine
 
+        kwargs.setdefault("cpu_weights", cfg.rollout.cpu_weights)
         return HFEngine(lm.model, lm.tokenizer, seed=int(cfg.rollout.seed), **kwargs)
     if name == "vllm":
         from appo.rollout.vllm_engine import VLLMEngine

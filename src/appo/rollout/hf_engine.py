@@ -55,6 +55,7 @@ from appo.models.compat import cache_argument
 from appo.prefix import common_prefix_length
 from appo.rollout.cpu import kernels
 from appo.rollout.cpu.lean import SUPPORTED_TYPES, LeanDecoder, SharedPrefix
+from appo.rollout.cpu.matmuls import BF16_RULE
 from appo.rollout.engine import SegmentOutput
 from appo.rollout.hf_batch import BatchCache, DecodeBatch, HFRow, KVBlock, gather_rows
 from appo.rollout.records import EngineCounters
@@ -133,6 +134,7 @@ class HFEngine(TableRows):
         cascade_attention: bool = True,
         cpu_kernel: bool | None = None,
         cpu_sampling: bool | None = None,
+        cpu_weights: str = "float32",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -159,7 +161,10 @@ class HFEngine(TableRows):
         elif lean_forward and not LeanDecoder.supports(model):
             raise AppoError(f"lean_forward: {type(model).__name__} is not a supported "
                             f"Llama-family model ({', '.join(SUPPORTED_TYPES)})")
-        self._lean = LeanDecoder(model, cpu_kernel) if lean_forward else None
+        if cpu_weights != "float32" and not lean_forward:
+            raise AppoError(f"rollout.cpu_weights={cpu_weights}: needs the lean forward "
+                            f"(a Llama-family model: {', '.join(SUPPORTED_TYPES)})")
+        self._lean = LeanDecoder(model, cpu_kernel, cpu_weights) if lean_forward else None
         if transpose_weights is None:
             transpose_weights = self.device.type == "cpu" and self._lean is None
         self._linears = _TransposedLinears(model) if transpose_weights else None
@@ -173,6 +178,14 @@ class HFEngine(TableRows):
         self.rows: RowTable[HFRow] = RowTable(HFRow)
         self._stops = StopChecker(tokenizer, [], self.eos_ids)
         self.set_stop_strings(stop_strings or [])
+
+    @property
+    def matmul_dtype(self) -> torch.dtype:
+        """The dtype the forward's matmuls read their weights in: bfloat16 under
+        `rollout.cpu_weights=bfloat16`, else the model's (APPO's default noise tolerance
+        follows it: `appo.rollout.scoring.noisiest`)."""
+        lean = self._lean
+        return torch.bfloat16 if lean is not None and lean.rule == BF16_RULE else self.dtype
 
     def _cpu_sampler(self, cpu_sampling: bool | None):
         """`appo.rollout.cpu.sampling.sample_numpy` where the decode loop samples with it

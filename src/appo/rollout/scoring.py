@@ -54,6 +54,14 @@ def default_lr_noise_tol(dtype: torch.dtype | None) -> float:
     return LR_NOISE_TOL.get(dtype, LR_NOISE_TOL[torch.float32])
 
 
+def noisiest(*dtypes: torch.dtype | None) -> torch.dtype | None:
+    """Of the scorer's and the engine's matmul dtypes (None: unknown), the one with the
+    largest default tolerance: a float32 scorer of a rollout decoded on bfloat16 weights
+    (`rollout.cpu_weights`) sees bfloat16-sized noise."""
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=default_lr_noise_tol) if known else None
+
+
 def zscore(x: Tensor, mask: Tensor) -> Tensor:
     """`(x - mean) / (std + 1e-6)` over `mask` (population std); 0 outside the mask."""
     m = mask.to(x.dtype)

@@ -265,7 +265,7 @@ def _dynamic_initial(loop: ToolLoop, prompts: Sequence[RolloutPrompt],
 
 # ---------------------------------------------------------------- appo
 def rollout_appo(prompts, engine, tools, settings, rng=None, score_fn=None) -> RolloutBatch:
-    from appo.rollout.scoring import plan_branches
+    from appo.rollout.scoring import noisiest, plan_branches
 
     _check_prompts(prompts)
     s = settings
@@ -284,7 +284,8 @@ def rollout_appo(prompts, engine, tools, settings, rng=None, score_fn=None) -> R
         raise AppoError(f"score_fn returned {len(current)} results for {len(trajs)} trajectories")
     budget = {p.uid: s.n - s.initial for p in prompts}
     plan = plan_branches(trajs, current, budget, s, engine.tokenizer,
-                         score_dtype=getattr(score_fn, "dtype", None))
+                         score_dtype=noisiest(getattr(score_fn, "dtype", None),
+                                              getattr(engine, "matmul_dtype", None)))
     branches = []
     for choice in plan:
         parent = initial_rows[choice.row]

@@ -93,9 +93,11 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class LeanDecoder:
-    def __init__(self, model, cpu_kernel: bool | None = None):
+    def __init__(self, model, cpu_kernel: bool | None = None, cpu_weights: str = "float32"):
         """`cpu_kernel`: let decode steps use the numba kernels (None: when numba is
-        installed and `APPO_CPU_KERNELS` is not 0; True: require them)."""
+        installed and `APPO_CPU_KERNELS` is not 0; True: require them). `cpu_weights`
+        (`rollout.cpu_weights`): `bfloat16` runs every matmul on bfloat16 copies of the
+        weights (`matmuls.BF16_RULE`)."""
         if cpu_kernel and not kernels.available():
             raise AppoError("cpu_kernel=True needs numba (pip install 'appo[cpu-kernels]') "
                             "and APPO_CPU_KERNELS unset or 1")
@@ -114,7 +116,8 @@ class LeanDecoder:
         self._layers: list[_Layer] = []
         weight = next(model.parameters())
         self.dtype = weight.dtype
-        self.rule: MatmulRule = decode_rule(weight.dtype, weight.device, self.cpu_kernel)
+        self.rule: MatmulRule = decode_rule(weight.dtype, weight.device, self.cpu_kernel,
+                                            cpu_weights)
         # Decode steps through the numba kernels of `fused` (float32 CPU, numba on);
         # otherwise `__call__`'s torch code.
         self._fused = FusedStep(self) if self.cpu_kernel else None
@@ -147,17 +150,22 @@ class LeanDecoder:
     def _version_key(self) -> tuple:
         return tuple((p._version, p.data_ptr()) for p in self.model.parameters())
 
-    def _onednn_only(self) -> bool:
-        """Whether every forward of this decoder multiplies through oneDNN (the rule at
-        every row count and for prefill): the concatenated QKV and gate/up are then kept in
-        oneDNN's layout alone, not also as dense copies (`onednn.pack`)."""
+    def _onednn_only(self) -> torch.dtype | None:
+        """The dtype every forward of this decoder multiplies in through oneDNN (one oneDNN
+        implementation at every row count and for prefill), else None: the concatenated QKV
+        and gate/up are then kept in oneDNN's layout alone, not also as dense copies
+        (`onednn.pack`)."""
         names = {name for _, name in self.rule.steps} | {self.rule.prefill}
-        return (names == {"torch_onednn"} and onednn.available() and self.dtype == torch.float32
-                and next(self.model.parameters()).device.type == "cpu")
+        if not (onednn.available() and self.dtype == torch.float32
+                and next(self.model.parameters()).device.type == "cpu"):
+            return None
+        return {frozenset({"torch_onednn"}): torch.float32,
+                frozenset({"onednn_bf16"}): torch.bfloat16}.get(frozenset(names))
 
     def _pack(self) -> None:
         layers = []
-        packed = onednn.pack if self._onednn_only() else (lambda w: w)
+        dtype = self._onednn_only()
+        packed = (lambda w: w) if dtype is None else (lambda w: onednn.pack(w, dtype))
         for layer in self.base.layers:
             att, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(att, "q_norm", None)

@@ -132,6 +132,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # oneDNN (torch's) on weights packed once (`appo.rollout.cpu.onednn`; no numba needed).
     "torch_onednn": Implementation("torch_onednn", onednn.linear, onednn.linear,
                                    numpy_linear=onednn.numpy_linear),
+    # oneDNN's bf16 kernels on bfloat16 packed weights: `rollout.cpu_weights=bfloat16`
+    # only (low precision; never a default rule's choice).
+    "onednn_bf16": Implementation("onednn_bf16", onednn.linear_bf16, onednn.linear_bf16,
+                                  numpy_linear=onednn.numpy_linear_bf16),
     **{name: _numba(name, kind) for name, kind in KERNEL_KINDS.items()},
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
@@ -234,10 +238,21 @@ def default_rule(use_kernels: bool) -> MatmulRule:
     return RULES[rule_name(use_kernels, cpu_info()["vendor"], avx512, torch.get_num_threads())]
 
 
-def decode_rule(dtype: torch.dtype, device: torch.device, use_kernels: bool) -> MatmulRule:
+# `rollout.cpu_weights=bfloat16`: every projection and the LM head, prefill and decode.
+BF16_RULE = MatmulRule(((1, "onednn_bf16"),), prefill="onednn_bf16")
+CPU_WEIGHTS = ("float32", "bfloat16")
+
+
+def decode_rule(dtype: torch.dtype, device: torch.device, use_kernels: bool,
+                weights: str = "float32") -> MatmulRule:
     """The rule a lean decoder's decode steps follow: `APPO_DECODE_MATMUL` if set, else
-    `default_rule`. Only float32 on CPU has a choice (the kernels are float32 CPU code)."""
+    `default_rule`. Only float32 on CPU has a choice (the kernels are float32 CPU code).
+    `weights="bfloat16"` (`rollout.cpu_weights`): `BF16_RULE`, where it can run."""
     text = os.environ.get(FORCE_ENV, "").strip()
+    if weights not in CPU_WEIGHTS:
+        raise AppoError(f"rollout.cpu_weights={weights!r}: choose from {', '.join(CPU_WEIGHTS)}")
+    if weights == "bfloat16":
+        return _bf16_rule(dtype, device, text)
     forced = MatmulRule.parse(text) if text else None
     if device.type != "cpu" or dtype != torch.float32:
         if forced is not None and forced != RULES["torch"]:
@@ -251,3 +266,18 @@ def decode_rule(dtype: torch.dtype, device: torch.device, use_kernels: bool) -> 
                         "(numba missing: pip install 'appo[cpu-kernels]'; or "
                         "APPO_CPU_KERNELS=0 or cpu_kernel=False)")
     return forced
+
+
+def _bf16_rule(dtype: torch.dtype, device: torch.device, forced: str) -> MatmulRule:
+    """`BF16_RULE`, or one line saying why this run cannot use it."""
+    why = None
+    if forced:
+        why = f"{FORCE_ENV}={forced} also chooses the matmuls; unset one of them"
+    elif device.type != "cpu" or dtype != torch.float32:
+        why = f"it applies to a float32 model on CPU, not {dtype} on {device.type}"
+    elif not onednn.bf16_available():
+        why = ("this CPU has no bf16 dot-product instructions (avx512_bf16 or amx_bf16), "
+               "or this torch has no oneDNN bf16 support")
+    if why is not None:
+        raise AppoError(f"rollout.cpu_weights=bfloat16: {why}")
+    return BF16_RULE

@@ -14,6 +14,13 @@ and freed by `drop`. Its layout is chosen for `PACK_ROWS` rows and used at every
 so a given row count always runs the same kernel: results depend on the machine, the
 thread count and the row count, never on what ran before (one layout per weight). float32
 only; anything else goes to `F.linear`.
+
+`linear_bf16` is the low-precision option (`rollout.cpu_weights=bfloat16`): the weight
+packed as bfloat16 (half the bytes a decode step reads), the input rounded to bfloat16,
+oneDNN's bf16 kernels (`vdpbf16ps`: float32 accumulation), the output rounded to bfloat16
+by oneDNN and handed back as float32. Only where the CPU has bf16 dot-product instructions
+(`bf16_available`: `avx512_bf16` or AMX); elsewhere oneDNN would emulate them, slower than
+float32. Its log-probs differ from a float32 forward's (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from appo.rollout.cpu.cache import per_tensor
+from appo.rollout.cpu.cpuinfo import cpu_info
 
 # The row count the packed layout is chosen for. oneDNN picks its blocking from it: packed
 # for 1 row, 8-32 rows ran 1.5-1.8x slower than packed for 32 (Zen 5); packed for 8, 32 or
@@ -33,6 +41,8 @@ from appo.rollout.cpu.cache import per_tensor
 PACK_ROWS = 32
 
 _packed: dict[int, tuple] = {}
+_packed_bf16: dict[int, tuple] = {}
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
@@ -46,23 +56,40 @@ def available() -> bool:
         return False
 
 
-def pack(weight: Tensor) -> Tensor:
-    """A packed copy of `weight` `[N, K]` that `linear` takes as its weight (a oneDNN
-    tensor, `layout=torch._mkldnn`): `packed`'s cached copies, or a caller's that keeps the
-    packed copy instead of the dense one (the lean decoder's concatenated QKV and gate/up
-    under an all-oneDNN rule)."""
+@functools.cache
+def bf16_available() -> bool:
+    """Whether `linear_bf16` runs natively here: oneDNN with bf16 support in this torch
+    and a CPU with bf16 dot-product instructions."""
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return available() and supported and any(f in cpu_info()["flags"] for f in BF16_FLAGS)
+
+
+def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A packed copy of `weight` `[N, K]` (as `dtype`) that `linear` (float32) or
+    `linear_bf16` (bfloat16) takes as its weight (a oneDNN tensor, `layout=torch._mkldnn`):
+    `packed`'s cached copies, or a caller's that keeps the packed copy instead of the dense
+    one (the lean decoder's concatenated QKV and gate/up under an all-oneDNN rule)."""
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+        dense = weight.detach().to(dtype).contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
 
 
-def packed(weight: Tensor) -> Tensor:
-    """`weight` `[N, K]` in oneDNN's layout, made on first use and remade when the tensor's
+def _cached(store: dict, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`weight` `[N, K]` packed as `dtype`, made on first use and remade when the tensor's
     storage or version counter has changed (a weight already packed: itself)."""
     if weight.layout == torch._mkldnn:
         return weight
     # Inference-mode tensors keep no version counter; they are remade, not updated.
     version = -1 if weight.is_inference() else weight._version
-    return per_tensor(_packed, weight, (weight.data_ptr(), version), pack)
+    return per_tensor(store, weight, (weight.data_ptr(), version), lambda w: pack(w, dtype))
+
+
+def packed(weight: Tensor) -> Tensor:
+    """`weight` in oneDNN's float32 layout (see `_cached`)."""
+    return _cached(_packed, weight, torch.float32)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -88,6 +115,24 @@ def numpy_linear(x: np.ndarray, weight: Tensor, bias: Tensor | None = None) -> n
     return linear(torch.from_numpy(np.ascontiguousarray(x)), weight, bias).numpy()
 
 
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)` `[..., K] -> [..., N]` for a float32 `x` on CPU, through
+    oneDNN's bf16 kernels on `weight` packed as bfloat16 (see module docstring): float32
+    in and out, bfloat16 inside."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    w = _cached(_packed_bf16, weight, torch.bfloat16)
+    y = torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [None], "").float()
+    if bias is not None:
+        y += bias.detach()
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def numpy_linear_bf16(x: np.ndarray, weight: Tensor, bias: Tensor | None = None) -> np.ndarray:
+    """`linear_bf16` on a `[M, K]` float32 numpy array, returning float32 numpy."""
+    return linear_bf16(torch.from_numpy(np.ascontiguousarray(x)), weight, bias).numpy()
+
+
 def drop() -> None:
     """Free every packed copy (an engine dropping its weight copies before an update)."""
     _packed.clear()
+    _packed_bf16.clear()
