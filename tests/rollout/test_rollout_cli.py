@@ -34,3 +34,22 @@ def test_rollout_cli_user_errors():
     proc = run_cli("rollout", "--model", "tiny-test", "--no-tools", "data.max_prompt_length=16",
                    "hi")
     assert proc.returncode == 2 and "max_prompt_length" in proc.stderr
+
+
+def test_rollout_cli_bf16_weights(tmp_path):
+    # rollout.cpu_weights=bfloat16 end to end: rows where the CPU has bf16 dot-product
+    # instructions, else one line naming what is missing (never a traceback).
+    from appo.rollout.cpu import onednn
+
+    out = tmp_path / "traj.jsonl"
+    proc = run_cli("rollout", "--model", "tiny-test", "--strategy", "grpo", "--no-tools",
+                   "rollout.n=2", "data.max_response_length=8", "rollout.cpu_weights=bfloat16",
+                   "What", "is", "2+2?", "--out", str(out))
+    if onednn.bf16_available():
+        assert proc.returncode == 0, proc.stderr
+        assert len(read_jsonl(out)) == 2
+    else:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert "rollout.cpu_weights=bfloat16" in proc.stderr and "avx512_bf16" in proc.stderr
+    proc = run_cli("rollout", "--model", "tiny-test", "rollout.cpu_weights=int8", "hi")
+    assert proc.returncode == 2 and "rollout.cpu_weights" in proc.stderr

@@ -181,3 +181,36 @@ def test_an_all_onednn_rule_keeps_qkv_and_gate_up_packed_only():
     for (ids_a, lp_a), (ids_b, lp_b) in zip(got, want, strict=True):
         assert ids_a == ids_b
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-4)
+
+
+def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
+    # The engine drops its weight copies before every update; nothing (the fused step's
+    # cached norm views included) may keep the lean decoder's packed layers alive through
+    # it: on SmolLM2 they were 0.27 GB of the demo's peak, in the update.
+    import gc
+    import weakref
+
+    from appo.models import load_model
+    from appo.rollout.cpu import kernels
+    from appo.rollout.cpu.matmuls import MatmulRule
+    from appo.rollout.hf_engine import HFEngine
+    from appo.rollout.sampling import SamplingParams
+
+    lm = load_model("tiny-test", device="cpu")
+    tok = lm.tokenizer
+    eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
+    if eng._lean is None:
+        pytest.skip("the tiny model is not served by the lean decoder")
+    eng._lean.rule = MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn")
+    rows = [eng.add_row(tok.encode(f"Count to {i}.")) for i in range(3)]
+    first = eng.decode(rows, 4, SamplingParams(temperature=0.0))
+    assert eng._lean._fused is None or not kernels.available() or eng._lean._fused._norms
+    packed = [weakref.ref(w) for lw in eng._lean._layers for w in (lw.qkv, lw.gate_up)]
+    assert packed and all(r().layout == torch._mkldnn for r in packed)
+    eng.drop_weight_copies()
+    gc.collect()
+    assert all(r() is None for r in packed) and not onednn._packed
+    eng.release(rows)
+    rows = [eng.add_row(tok.encode(f"Count to {i}.")) for i in range(3)]  # packed again
+    again = eng.decode(rows, 4, SamplingParams(temperature=0.0))
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]

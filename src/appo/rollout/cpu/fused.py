@@ -72,12 +72,15 @@ class FusedStep:
                 and dtype == torch.float32 and kernels.available())
 
     def _layer_norms(self) -> list[tuple]:
-        """Per layer: the numpy views of its norm weights, rebuilt with the packed weights."""
-        layers = self.lean._layers
-        if self._norms is None or self._norms[0] is not layers:
-            self._norms = (layers, [
+        """Per layer: the numpy views of its norm weights, rebuilt with the packed weights.
+        Keyed by the decoder's pack key, not its list of layers: holding that list would
+        keep the packed weight copies alive after `LeanDecoder.drop` (through the update:
+        ~0.27 GB of QKV / gate-up on SmolLM2) and beside the next pack's."""
+        key = self.lean._key
+        if self._norms is None or self._norms[0] is not key:
+            self._norms = (key, [
                 (lw.in_norm.numpy(), lw.post_norm.numpy(), _array(lw.q_norm),
-                 _array(lw.k_norm)) for lw in layers])
+                 _array(lw.k_norm)) for lw in self.lean._layers])
         return self._norms[1]
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, cache, start: Tensor,
