@@ -214,3 +214,4 @@ def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
     rows = [eng.add_row(tok.encode(f"Count to {i}.")) for i in range(3)]  # packed again
     again = eng.decode(rows, 4, SamplingParams(temperature=0.0))
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
