@@ -163,3 +163,10 @@ def test_engine_reports_its_matmul_dtype(monkeypatch):
     monkeypatch.setattr(onednn, "bf16_available", lambda: True)
     monkeypatch.delenv("APPO_DECODE_MATMUL", raising=False)
     assert HFEngine(lm.model, lm.tokenizer, cpu_weights="bfloat16").matmul_dtype == torch.bfloat16
+
+
+def test_the_override_cannot_pick_bf16(monkeypatch):
+    # bfloat16 matmuls are a precision choice with its own key, not a speed override.
+    monkeypatch.setenv("APPO_DECODE_MATMUL", "1:torch,8:onednn_bf16")
+    with pytest.raises(AppoError, match="rollout.cpu_weights=bfloat16, not here"):
+        decode_rule(torch.float32, torch.device("cpu"), False)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from appo.errors import AppoError
-from appo.rollout.cpu import kernels, matmuls
+from appo.rollout.cpu import kernels, matmuls, onednn
 from appo.rollout.cpu.matmuls import (
     FORCE_ENV,
     HEAD_BLOCK,
@@ -39,6 +39,8 @@ def test_every_implementation_equals_f_linear(name, rows):
     impl = IMPLEMENTATIONS[name]
     if impl.kernel and kernels.numba is None:
         pytest.skip("numba is not installed")
+    if impl.low_precision and not onednn.bf16_available():
+        pytest.skip("no bf16 dot-product instructions")
     gen = torch.Generator().manual_seed(rows)
     # float64: equal to F.linear up to summation order. The head's height is not a multiple
     # of HEAD_BLOCK (a partial last block) nor of the wide kernel's 8 weight rows.
@@ -51,9 +53,14 @@ def test_every_implementation_equals_f_linear(name, rows):
         torch.testing.assert_close(got, F.linear(x, weight, b), rtol=0, atol=1e-12)
     head = torch.randn(2 * HEAD_BLOCK + 77, 29, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(impl.head(x[:, 0], head), x[:, 0] @ head.T, rtol=0, atol=1e-12)
-    # float32, the dtype the engine uses: equal up to summation order.
+    # float32, the dtype the engine uses: equal up to summation order (a low-precision
+    # implementation: to the product of the bfloat16-rounded operands, rounded once).
     w32, x32 = weight.float(), x.float()
-    torch.testing.assert_close(impl.linear(x32, w32), x32 @ w32.T, rtol=1e-5, atol=1e-5)
+    if impl.low_precision:
+        want = x32.bfloat16().double() @ w32.bfloat16().double().T
+        torch.testing.assert_close(impl.linear(x32, w32).double(), want, rtol=2**-8, atol=1e-3)
+    else:
+        torch.testing.assert_close(impl.linear(x32, w32), x32 @ w32.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
@@ -65,6 +72,8 @@ def test_the_numpy_entry_point_equals_linear_to_the_bit(name, dtype):
     impl = IMPLEMENTATIONS[name]
     if impl.kernel and kernels.numba is None:
         pytest.skip("numba is not installed")
+    if impl.low_precision and dtype == torch.float32 and not onednn.bf16_available():
+        pytest.skip("no bf16 dot-product instructions")
     assert impl.numpy_linear is not None  # every built-in implementation has one
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(300, 41, generator=gen, dtype=dtype)

@@ -144,6 +144,57 @@ def test_different_prompts_share_their_common_prefix(lm, lean):
         assert rec2.max_error(lm.model, r) < TOL, r
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "model-forward"])
+def test_rows_store_a_shared_prefix_once(lm, lean):
+    """Rows that leave a decode call, and prompts a prefill caches, keep their own tokens'
+    keys/values on top of one block of the prefix they all share (a system prompt): one
+    copy of it, not one per row; their caches still equal a full forward's, through a
+    tool round and another decode (which writes parent and own columns into the batch)."""
+    tok = lm.tokenizer
+    system = tok.encode("You are a careful assistant who answers every question. " * 4)
+    assert len(system) >= hf_engine.MIN_CASCADE_PREFIX
+    questions = [tok.encode(q) for q in ("What is 2+2?", "Name a colour, please.", "Hi")]
+
+    def own_bytes(kv):
+        return kv.data.untyped_storage().nbytes()
+
+    eng = HFEngine(lm.model, tok, seed=2, lean_forward=lean)
+    per_token = eng.num_layers * 2 * eng.kv_heads * eng.head_dim * 4  # float32 K and V
+    rec = Recorder(eng)
+    rows = [eng.add_row(system + q) for q in questions]
+    rec.decode(rows, [4, 9, 6], SamplingParams())
+    blocks = [eng.rows[r].kv for r in rows]
+    shared = blocks[0].parent
+    assert shared is not None and shared.parent is None
+    assert all(kv.parent is shared for kv in blocks)  # one copy of the prefix
+    assert shared.length >= len(system)
+    assert own_bytes(shared) == shared.length * per_token
+    for r, kv in zip(rows, blocks, strict=True):
+        assert kv.length == len(eng.row_ids(r)) - 1
+        assert own_bytes(kv) == (kv.length - shared.length) * per_token
+        assert rec.max_error(lm.model, r) < TOL, r
+    eng.append(rows[1], tok.encode(" <result>\n4\n</result>"))
+    kids = rec.fork(rows[1], 2)
+    rec.decode([rows[1], *kids, rows[2]], [5, 7, 3, 6], SamplingParams())
+    for r in [*rows, *kids]:
+        assert rec.max_error(lm.model, r) < TOL, r
+    # A prefill of prompts under one system prompt: each keeps its question on top of the
+    # common prefix's block.
+    eng2 = HFEngine(lm.model, tok, seed=2, lean_forward=lean)
+    roots = [eng2.add_row(system + q) for q in questions]
+    eng2.prefill(roots)
+    root_blocks = [eng2.rows[r].kv for r in roots]
+    assert root_blocks[0].parent is not None
+    assert all(kv.parent is root_blocks[0].parent for kv in root_blocks)
+    assert sum(map(own_bytes, root_blocks)) == sum(
+        (kv.length - kv.parent.length) * per_token for kv in root_blocks)
+    rec2 = Recorder(eng2)
+    forks = [r for root in roots for r in rec2.fork(root, 2)]
+    rec2.decode(forks, [3, 5, 4, 6, 2, 5], SamplingParams())
+    for r in forks:
+        assert rec2.max_error(lm.model, r) < TOL, r
+
+
 def test_no_reuse_mode_recomputes_every_context(lm):
     tok = lm.tokenizer
     prompt = tok.encode("baseline")

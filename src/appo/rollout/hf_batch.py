@@ -23,30 +23,52 @@ from appo.rollout.rows import Row
 
 
 class KVBlock:
-    """Keys/values `[layers, 2, kv_heads, length, head_dim]` of a row's first `length` tokens.
+    """Keys/values of a row's first `length` tokens: the `parent` block's (the prefix the
+    row shares with others, e.g. a system prompt, stored once), then `data`
+    `[layers, 2, kv_heads, n, head_dim]`, its own tokens after the parent's.
 
     Immutable once made (its own storage, or a prefix view of another block); shared between
     forks.
     """
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "parent")
 
-    def __init__(self, data: Tensor):
+    def __init__(self, data: Tensor, parent: KVBlock | None = None):
         self.data = data
+        self.parent = parent
 
     @property
     def length(self) -> int:
-        return int(self.data.shape[3])
+        return int(self.data.shape[3]) + (0 if self.parent is None else self.parent.length)
 
     @classmethod
-    def copy_of(cls, data: Tensor) -> KVBlock:
-        """A block owning exactly these keys/values: a view into a batch buffer would keep
-        the whole buffer (every other row, padding, spare columns) alive as long as the
-        row lives."""
-        return cls(data.clone(memory_format=torch.contiguous_format))
+    def copy_of(cls, data: Tensor, parent: KVBlock | None = None) -> KVBlock:
+        """A block owning exactly these keys/values (after `parent`'s): a view into a batch
+        buffer would keep the whole buffer (every other row, padding, spare columns) alive
+        as long as the row lives."""
+        return cls(data.clone(memory_format=torch.contiguous_format), parent)
 
     def prefix(self, length: int) -> KVBlock:
-        return self if length == self.length else KVBlock(self.data[:, :, :, :length])
+        if length == self.length:
+            return self
+        base = 0 if self.parent is None else self.parent.length
+        if length <= base:
+            return self.parent.prefix(length)
+        return KVBlock(self.data[:, :, :, : length - base], self.parent)
+
+    def write_into(self, dst: Tensor) -> None:
+        """Copy the block's keys/values into `dst` `[layers, 2, kv_heads, length, head_dim]`."""
+        base = 0
+        if self.parent is not None:
+            base = self.parent.length
+            self.parent.write_into(dst[:, :, :, :base])
+        dst[:, :, :, base:] = self.data
+
+    def dense(self) -> Tensor:
+        """All `length` tokens' keys/values as one new tensor."""
+        if self.parent is None:
+            return self.data.clone()
+        return torch.cat([self.parent.dense(), self.data], dim=3)
 
 
 @dataclass
@@ -115,14 +137,18 @@ class DecodeBatch:
     """
 
     def __init__(self, rows: list[HFRow], buf: Tensor, length: int, start: Tensor,
-                 logits: Tensor, seen: Tensor | None, shared_kv: Tensor | None):
+                 logits: Tensor, seen: Tensor | None, shared: KVBlock | None,
+                 cascade: bool = False):
         self.rows = rows
         self.buf = buf
         self.length = length  # columns filled
         self.start = start  # [slots] first column of each slot's tokens
         self.logits = logits  # [slots, V] logits after each slot's last token
         self.seen = seen  # [slots, V] tokens each slot has seen (repetition penalty)
-        self.shared_kv = shared_kv  # keys/values of the prefix every row shares
+        # The keys/values of the prefix every row shares, stored once: the parent of the
+        # blocks rows leave with, and (`cascade`) read once by decode attention.
+        self.shared = shared
+        self.cascade = cascade
         self.slot = list(range(len(rows)))
         self.cached = [len(r.ids) for r in rows]  # every token is cached after the prefill
         self.active = [True] * len(rows)
@@ -149,10 +175,19 @@ class DecodeBatch:
     def slots_of(self, members: list[int]) -> Tensor:
         return torch.tensor([self.slot[i] for i in members], device=self.buf.device)
 
+    @property
+    def shared_kv(self) -> Tensor | None:
+        """The shared prefix's keys/values for cascade decode attention (None: off)."""
+        return self.shared.data if self.cascade and self.shared is not None else None
+
     def _kv_of(self, i: int) -> KVBlock:
+        """Row `i`'s block: a copy of its own columns after the shared prefix, whose block
+        is their parent (one copy of a system prompt for every row, not one per row)."""
         s = self.slot[i]
         first = int(self.start[s])
-        return KVBlock.copy_of(self.buf[:, :, s, :, first : first + self.cached[i]])
+        base = 0 if self.shared is None else self.shared.length
+        return KVBlock.copy_of(self.buf[:, :, s, :, first + base : first + self.cached[i]],
+                               self.shared)
 
     # ---------------------------------------------------------------- sampling
     def add_tokens(self, members: list[int], tokens: list[int]) -> None:

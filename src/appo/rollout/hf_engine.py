@@ -318,7 +318,8 @@ class HFEngine(TableRows):
             start = start.index_select(0, index)
             logits = logits.index_select(0, index)
         batch = DecodeBatch(rows_live, buf, length, start, logits, self._seen(rows_live, params),
-                            self._shared_prefix_kv(rows_live, buf, start))
+                            self._shared_prefix(rows_live, buf, start),
+                            cascade=self._lean is not None and self.cascade_attention)
         del buf  # the batch owns it now: a compaction or growth can free it
         with contextlib.nullcontext() if self._lean is None else self._lean.pinned():
             self._decode_loop(batch, [outputs[i] for i in live], budgets, params)
@@ -336,8 +337,12 @@ class HFEngine(TableRows):
         blocks: dict[int, KVBlock] = {}  # one copy per batch row: identical rows share it
         for row, slot, end in zip(rows, rep_of, ends, strict=True):
             if slot not in blocks:
-                first = int(start[slot])
-                blocks[slot] = KVBlock.copy_of(buf[:, :, slot, :, first : first + end])
+                # The new columns only, after the block the row had (its fork's or the
+                # common prefix's): that one stays shared.
+                first, parent = int(start[slot]), row.kv
+                base = 0 if parent is None else parent.length
+                blocks[slot] = KVBlock.copy_of(buf[:, :, slot, :, first + base : first + end],
+                                               parent)
             row.kv = blocks[slot]
 
     def _prefill(self, rows: list[HFRow], ends: list[int], max_budget: int):
@@ -377,7 +382,7 @@ class HFEngine(TableRows):
             if lo:
                 buf[:, :, j, :, :lo].zero_()
             if row.kv is not None:
-                buf[:, :, j, :, lo : lo + c[j]] = row.kv.data
+                row.kv.write_into(buf[:, :, j, :, lo : lo + c[j]])
             ids[j, p_max - p[j] :] = torch.tensor(row.ids[c[j] : total[j]])
             pos[j, p_max - p[j] :] = torch.arange(c[j], total[j])
             write[j, p_max - p[j] :] = True
@@ -416,16 +421,17 @@ class HFEngine(TableRows):
         # (and counted as prefilled), so prefilled + reused stays the tokens of the contexts.
         self.counters.reused -= shared
 
-    def _shared_prefix_kv(self, rows: list[HFRow], buf: Tensor, start: Tensor) -> Tensor | None:
-        """A copy of the keys/values of the tokens all rows start with, for decode attention
-        that reads them once (`LeanDecoder` only; rows are batch slots 0..n-1 here)."""
-        if self._lean is None or not self.cascade_attention or len(rows) < 2:
+    def _shared_prefix(self, rows: list[HFRow], buf: Tensor, start: Tensor) -> KVBlock | None:
+        """A block of the keys/values of the tokens all rows start with (rows are batch
+        slots 0..n-1 here): stored once for the rows' blocks after the call, and read once
+        by cascade decode attention (`LeanDecoder`)."""
+        if len(rows) < 2:
             return None
         shared = common_prefix_length([r.ids for r in rows])
         if shared < MIN_CASCADE_PREFIX:
             return None
         first = int(start[0])
-        return buf[:, :, 0, :, first : first + shared].clone()
+        return KVBlock.copy_of(buf[:, :, 0, :, first : first + shared])
 
     def _decode_loop(self, batch: DecodeBatch, outs: list[SegmentOutput], budgets: list[int],
                      params: SamplingParams) -> None:

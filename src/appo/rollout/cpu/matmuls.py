@@ -108,6 +108,9 @@ class Implementation:
     linear: Callable[..., Tensor]
     head: Callable[[Tensor, Tensor], Tensor]
     kernel: bool = False  # needs numba (appo.rollout.cpu.kernels)
+    # Rounds its float32 operands to bfloat16 (`rollout.cpu_weights` only): not `F.linear`
+    # up to summation order, and never a rule's or `APPO_DECODE_MATMUL`'s choice.
+    low_precision: bool = False
     # `linear` on a `[M, K]` numpy array returning numpy (no tensors made), where the
     # implementation has one; the fused decode step (`appo.rollout.cpu.fused`) uses it.
     numpy_linear: Callable | None = None
@@ -135,7 +138,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     # oneDNN's bf16 kernels on bfloat16 packed weights: `rollout.cpu_weights=bfloat16`
     # only (low precision; never a default rule's choice).
     "onednn_bf16": Implementation("onednn_bf16", onednn.linear_bf16, onednn.linear_bf16,
-                                  numpy_linear=onednn.numpy_linear_bf16),
+                                  numpy_linear=onednn.numpy_linear_bf16, low_precision=True),
     **{name: _numba(name, kind) for name, kind in KERNEL_KINDS.items()},
 }
 DEFAULT = IMPLEMENTATIONS["torch"]
@@ -254,6 +257,10 @@ def decode_rule(dtype: torch.dtype, device: torch.device, use_kernels: bool,
     if weights == "bfloat16":
         return _bf16_rule(dtype, device, text)
     forced = MatmulRule.parse(text) if text else None
+    if forced is not None and any(IMPLEMENTATIONS[name].low_precision
+                                  for _, name in (*forced.steps, (0, forced.prefill))):
+        raise AppoError(f"{FORCE_ENV}={text}: bfloat16 matmuls are chosen with "
+                        "rollout.cpu_weights=bfloat16, not here")
     if device.type != "cpu" or dtype != torch.float32:
         if forced is not None and forced != RULES["torch"]:
             raise AppoError(f"{FORCE_ENV}={text} does not apply to a {dtype} model on "

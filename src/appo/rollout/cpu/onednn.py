@@ -118,7 +118,11 @@ def numpy_linear(x: np.ndarray, weight: Tensor, bias: Tensor | None = None) -> n
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` `[..., K] -> [..., N]` for a float32 `x` on CPU, through
     oneDNN's bf16 kernels on `weight` packed as bfloat16 (see module docstring): float32
-    in and out, bfloat16 inside."""
+    in and out, bfloat16 inside. Other dtypes or devices: `F.linear` itself."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        if weight.layout == torch._mkldnn:
+            weight = weight.to_dense().to(x.dtype)
+        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     w = _cached(_packed_bf16, weight, torch.bfloat16)
     y = torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [None], "").float()
