@@ -89,7 +89,8 @@ def _make_engine(args):
         lm = load_model(args.model, device="cpu")
         # --cpu-weights: the `hf` worker only (an older --base tree may not know the key).
         extra = ({"cpu_weights": args.cpu_weights}
-                 if args.worker == "hf" and args.cpu_weights != "float32" else {})
+                 if args.worker == "hf" and getattr(args, "cpu_weights", "float32") != "float32"
+                 else {})
         eng = HFEngine(lm.model, lm.tokenizer, seed=0, eos_ids=frozenset(), **extra)
         lean = getattr(eng, "_lean", None)
         info["decode_rule"] = str(getattr(lean, "rule", None))

@@ -233,6 +233,8 @@ def main() -> None:
     p.add_argument("--data", default="synth:arith?split=train&levels=2,3")
     p.add_argument("--template", default="code_search")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--cpu-weights", choices=("float32", "bfloat16"), default="float32",
+                   help="the hf engine's rollout.cpu_weights")
     p.add_argument("--vllm-logprobs", type=int, default=20)
     p.add_argument("--matmuls", action="store_true")
     p.add_argument("--timers", action="store_true")

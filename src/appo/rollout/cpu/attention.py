@@ -49,11 +49,12 @@ jit = numba.njit(fastmath=FAST, boundscheck=False, nogil=True, cache=True)
 
 
 @jit
-def _norm_rope(src, weight, eps, cos, sin, dst):  # pragma: no cover - numba
-    # dst = rotary(rms_norm(src) * weight), or rotary(src) when weight is empty.
+def _norm_rope(src, weight, eps, cos, sin, dst, tmp):  # pragma: no cover - numba
+    # dst = rotary(rms_norm(src) * weight), or rotary(src) when weight is empty; `tmp` [d]
+    # is scratch (made once per call of `rope_write`: an allocation per head was most of
+    # that kernel's time).
     d = src.shape[0]
     half = d // 2
-    tmp = np.empty(d, src.dtype)
     if weight.shape[0] > 0:
         ss = src.dtype.type(0.0)
         for i in range(d):
@@ -76,14 +77,15 @@ def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # p
     # the values -> buf[layer, 0/1, b, kv_head, col].
     rows, heads, d = q_out.shape
     kv_heads = buf.shape[3]
+    tmp = np.empty(d, qkv.dtype)
     for b in range(rows):
         for h in range(heads):
             _norm_rope(qkv[b, h * d : (h + 1) * d], q_norm, eps, cos[b], sin[b],
-                       q_out[b, h])
+                       q_out[b, h], tmp)
         for g in range(kv_heads):
             lo = (heads + g) * d
             _norm_rope(qkv[b, lo : lo + d], k_norm, eps, cos[b], sin[b],
-                       buf[layer, 0, b, g, col])
+                       buf[layer, 0, b, g, col], tmp)
             lo = (heads + kv_heads + g) * d
             for i in range(d):
                 buf[layer, 1, b, g, col, i] = qkv[b, lo + i]
