@@ -202,7 +202,7 @@ class RolloutConfig:
     # oneDNN's bf16 kernels (inputs rounded to bfloat16, float32 accumulation); needs a CPU
     # with avx512_bf16 or amx_bf16 and a float32 model. Norms, attention, the KV cache and
     # sampling stay float32; behaviour log-probs then differ from the float32 trainer's
-    # (benchmarks/RESULTS.md, "bf16 decode weights"). float32: the model's own weights.
+    # (benchmarks/RESULTS.md, "bfloat16 decode weights"). float32: the model's own weights.
     cpu_weights: str = "float32"
     # The rollout engine's base sampling seed (appo rollout --seed); training steps seed
     # their rollouts from trainer.seed and the step.
