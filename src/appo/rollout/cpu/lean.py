@@ -9,8 +9,10 @@ decode step (weight-bandwidth bound at a few rows) rewards:
   dispatch; decode attention can take a shared prefix's keys/values once for all rows
   (`SharedPrefix`).
 - CPU decode steps run their projections and LM head the way `matmuls` picks for that
-  many rows: torch (MKL; the LM head in row blocks), torch as `W @ x^T`, or the numba
-  kernels of `kernels`. Prefill and GPU steps use torch.
+  many rows: torch (MKL; the LM head in row blocks), torch as `W @ x^T`, oneDNN, or the
+  numba kernels of `kernels`; prefill the rule's `prefill` implementation; GPU steps torch.
+- A prefill whose rows are left-padded runs its norms, projections and MLP on the real
+  tokens only (`_Tokens`); attention sees the padded `[B, T]` layout.
 - CPU decode steps with numba run the work between the matmuls in numba kernels
   (`fused`: rotary + cache write, one attention kernel per layer, fused norms); without
   numba, or with `cpu_kernel=False`, the torch code below.
