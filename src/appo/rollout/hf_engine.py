@@ -4,7 +4,8 @@ Where the speed comes from:
 - Each row owns an immutable key/value block (`hf_batch.KVBlock`) covering all its tokens
   but the last ("pending") ones. Forks share the block, so a branch starts from its parent's
   cache and the shared prefix is never recomputed; tool results are prefilled onto the
-  existing cache.
+  existing cache. Rows that decoded together keep the prefix they all share (a system
+  prompt) as one parent block and copies of their own tokens only.
 - A `decode` call first prefills every row's pending tokens, deduplicated: rows with the same
   cache block and the same pending tokens (a prompt group, a parent and its branches after
   a tool result) are computed once and then sample independently.
