@@ -126,9 +126,9 @@ class ActorConfig:
     # kernel launches cost more than the tokens saved (docs/training.md).
     tree_forward: bool = False
     # The training forward's and backward's linear layers on CPU (the update, its log-prob
-    # passes, SFT): torch (MKL), onednn (torch's oneDNN: MKL stays on AVX2 kernels on AMD
-    # CPUs), or auto: onednn where the decode rule uses it (AMD with AVX-512, float32, not
-    # FSDP). appo.trainer.cpu_linear.
+    # passes, SFT, the critic): torch (MKL), onednn (torch's oneDNN: MKL stays on AVX2
+    # kernels on AMD CPUs), or auto: onednn where the decode rule uses it (AMD with
+    # AVX-512, float32, not FSDP). appo.trainer.cpu_linear.
     cpu_matmul: str = "auto"
     # Keep the token embeddings (and a tied LM head) fixed: Adam moves every vocabulary row
     # each step otherwise, which small models feel (e.g. the end-of-turn token drifts).

@@ -387,3 +387,36 @@ def test_two_process_fsdp_gae_resume_equals_uninterrupted(toy, tmp_path):
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), (f, name)
+
+
+def test_critic_runs_its_linears_through_onednn_when_asked(monkeypatch):
+    """`actor.cpu_matmul=onednn` covers the critic: its values and its update's forward and
+    backward go through `_OneDNNLinear`, with the values and step gradients of MKL's run to
+    float32 rounding; outside its calls the modules are plain again."""
+    from appo.trainer import cpu_linear
+    from appo.trainer.cpu_linear import _OneDNNLinear
+    from appo.trainer.distributed import DataParallel
+
+    if not cpu_linear.available():
+        pytest.skip("torch built without oneDNN")
+    calls = []
+    real = _OneDNNLinear.apply
+    monkeypatch.setattr(_OneDNNLinear, "apply",
+                        staticmethod(lambda *a: calls.append(1) or real(*a)))
+    runs = {}
+    for choice in ("torch", "onednn"):
+        critic, tok = make_critic(f"actor.cpu_matmul={choice}")
+        assert critic.onednn == (choice == "onednn")
+        with_sgd(critic)
+        rows = fixed_critic_rows(tok)
+        before = len(calls)
+        values = critic.values(rows, list(range(len(rows))), DataParallel())
+        after_values = len(calls)
+        critic.update(rows)
+        runs[choice] = (values, critic.step_grads, after_values - before, len(calls) - after_values)
+        assert not any("forward" in m.__dict__ for m in critic.model.modules()
+                       if type(m) is torch.nn.Linear)
+    assert runs["torch"][2:] == (0, 0)
+    assert runs["onednn"][2] > 0 and runs["onednn"][3] > 0
+    assert torch.allclose(runs["onednn"][0], runs["torch"][0], atol=1e-5)
+    assert_same_grads(runs["torch"][1], runs["onednn"][1])

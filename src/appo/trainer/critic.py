@@ -14,7 +14,9 @@ Under `trainer.parallel=fsdp` the critic is sharded as the policy is (`appo.trai
 one unit per decoder layer, the rest with the value head in the root unit; loss scaled by
 the world size; idle passes keep ranks in step; whole states gathered for checkpoints).
 `actor.tree_forward` (with `actor.share_prefix_forward`) gives the critic's forwards the
-tree-shared forward too. Deviation from verl: the critic is built only for `gae`.
+tree-shared forward too. `actor.cpu_matmul` puts the critic's linears through oneDNN as it
+does the policy's (`appo.trainer.cpu_linear`). Deviation from verl: the critic is built only
+for `gae`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from appo.algos import (
 from appo.errors import AppoError
 from appo.trainer.batch import TrainBatch
 from appo.trainer.checkpoint import TrainedPart
+from appo.trainer.cpu_linear import onednn_linears, run_uses_onednn
 from appo.trainer.distributed import DataParallel, GradSync, check_grad_sync
 from appo.trainer.forward import final_hidden_states, plan_shared_microbatches
 from appo.trainer.fsdp import shard_model, to_float
@@ -137,6 +140,8 @@ class Critic:
         self.tree = self.share_prefix and bool(a.tree_forward)
         self.gamma, self.lam = float(cfg.algorithm.gamma), float(cfg.algorithm.lam)
         self.compute_dtype = compute_dtype
+        # `actor.cpu_matmul` covers the critic's linears too (`appo.trainer.cpu_linear`).
+        self.onednn = run_uses_onednn(cfg, model, fsdp)
         o = c.optim
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, o.lr, o.weight_decay, tuple(o.betas), o.fused)
@@ -190,14 +195,16 @@ class Critic:
         idle = self._idle_passes(len(plan.batches), dp)  # before any pass (see update)
         self.model.eval()
         rows: list[tuple[str, list[float]]] = []
-        for idx in plan.batches:
-            mb = mine.select(idx)
-            values, _ = self.model.response_values(mb, self.share_prefix, self.compute_dtype,
-                                                   self.tree)
-            for k, i in enumerate(idx):
-                rows.append((mine.traj_ids[i], values[k, : int(mb.response_lens[k])].tolist()))
-        for _ in range(idle):
-            self.model.idle_pass(backward=False)
+        with onednn_linears(self.model, self.onednn):
+            for idx in plan.batches:
+                mb = mine.select(idx)
+                values, _ = self.model.response_values(mb, self.share_prefix,
+                                                       self.compute_dtype, self.tree)
+                for k, i in enumerate(idx):
+                    rows.append((mine.traj_ids[i],
+                                 values[k, : int(mb.response_lens[k])].tolist()))
+            for _ in range(idle):
+                self.model.idle_pass(backward=False)
         by_id = dict(dp.gather_objects(rows))
         out = torch.zeros_like(batch.loss_mask)
         for i, tid in enumerate(batch.traj_ids):
@@ -208,6 +215,10 @@ class Critic:
     def update(self, batch: TrainBatch, dp: DataParallel | None = None) -> dict[str, float]:
         """`epochs` x mini-batches of this rank's rows (`batch.values` filled) on the clipped
         value loss against the GAE returns; one optimizer step each."""
+        with onednn_linears(self.model, self.onednn):
+            return self._update(batch, dp)
+
+    def _update(self, batch: TrainBatch, dp: DataParallel | None) -> dict[str, float]:
         dp = dp or DataParallel()
         check_grad_sync(dp, self.fsdp, self.sync, "the critic update")
         if batch.values is None:
