@@ -7,26 +7,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from onednn_cases import lean_engine
+from onednn_cases import random_linear as _case
 
 from appo.errors import AppoError
 from appo.rollout.cpu import onednn
 from appo.rollout.cpu.matmuls import BF16_RULE, CPU_WEIGHTS, IMPLEMENTATIONS, decode_rule
 
+pytestmark = pytest.mark.usefixtures("onednn_dropped")
 needs_bf16 = pytest.mark.skipif(not onednn.bf16_available(),
                                 reason="no bf16 dot-product instructions or no oneDNN bf16")
-
-
-@pytest.fixture(autouse=True)
-def empty_cache():
-    onednn.drop()
-    yield
-    onednn.drop()
-
-
-def _case(rows: int, n: int = 200, k: int = 96, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen),
-            torch.randn(n, generator=gen))
 
 
 @needs_bf16
@@ -107,17 +97,10 @@ def test_the_engine_decodes_on_bf16_weights_close_to_float32():
     # packed in bfloat16); log-probs of the tokens both engines drew (up to where a row's
     # draws part) are the float32 engine's up to bfloat16 noise, and not bit-equal to them
     # (the option is really on); sampling stays seeded.
-    from appo.models import load_model
-    from appo.rollout.hf_engine import HFEngine
     from appo.rollout.sampling import SamplingParams
 
-    lm = load_model("tiny-test", device="cpu")
-    tok = lm.tokenizer
-
-    def run(weights: str, params: SamplingParams, seed: int = 3):
-        eng = HFEngine(lm.model, tok, seed=seed, eos_ids=frozenset(), cpu_weights=weights)
-        if eng._lean is None:
-            pytest.skip("the tiny model is not served by the lean decoder")
+    def run(weights: str, params: SamplingParams):
+        eng, tok = lean_engine(cpu_weights=weights)
         rows = [eng.add_row(tok.encode(f"A question, number {i}, about the sea?"))
                 for i in range(5)]
         outs = eng.decode(rows, 6, params)

@@ -6,24 +6,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from onednn_cases import lean_engine
+from onednn_cases import random_linear as _case
 
 from appo.rollout.cpu import onednn
-from appo.rollout.cpu.matmuls import IMPLEMENTATIONS, RULES
+from appo.rollout.cpu.matmuls import IMPLEMENTATIONS, RULES, MatmulRule
+from appo.rollout.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN")
-
-
-@pytest.fixture(autouse=True)
-def empty_cache():
-    onednn.drop()
-    yield
-    onednn.drop()
-
-
-def _case(rows: int, n: int = 200, k: int = 96, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen),
-            torch.randn(n, generator=gen))
+pytestmark = [pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN"),
+              pytest.mark.usefixtures("onednn_dropped")]
+ONEDNN_ONLY = MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 8, 32, 33, 300])
@@ -116,18 +108,8 @@ def test_the_engine_prefills_and_decodes_through_onednn_where_the_rule_says():
     # A rule like the AMD AVX-512 one (oneDNN for prefill and from 4 decode rows): the
     # engine's tokens and log-probs stay those of plain torch matmuls up to float32
     # rounding, and the packed copies are made by the prefill.
-    from appo.models import load_model
-    from appo.rollout.cpu.matmuls import MatmulRule
-    from appo.rollout.hf_engine import HFEngine
-    from appo.rollout.sampling import SamplingParams
-
-    lm = load_model("tiny-test", device="cpu")
-    tok = lm.tokenizer
-
     def run(rule: MatmulRule):
-        eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
-        if eng._lean is None:
-            pytest.skip("the tiny model is not served by the lean decoder")
+        eng, tok = lean_engine()
         eng._lean.rule = rule
         rows = [eng.add_row(tok.encode(f"A question, number {i}, about the sea?"))
                 for i in range(5)]
@@ -151,16 +133,7 @@ def test_an_all_onednn_rule_keeps_qkv_and_gate_up_packed_only():
     # concatenated QKV and gate/up exist only in oneDNN's layout (no dense copy beside the
     # packed one); the tokens and log-probs are those of the dense copies; a rule change
     # repacks them dense.
-    from appo.models import load_model
-    from appo.rollout.cpu.matmuls import MatmulRule
-    from appo.rollout.hf_engine import HFEngine
-    from appo.rollout.sampling import SamplingParams
-
-    lm = load_model("tiny-test", device="cpu")
-    tok = lm.tokenizer
-    eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
-    if eng._lean is None:
-        pytest.skip("the tiny model is not served by the lean decoder")
+    eng, tok = lean_engine()
     lean = eng._lean
 
     def run(rule):
@@ -170,8 +143,7 @@ def test_an_all_onednn_rule_keeps_qkv_and_gate_up_packed_only():
         eng.release(rows)
         return [(o.token_ids, o.logps) for o in outs]
 
-    only = MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn")
-    got = run(only)
+    got = run(ONEDNN_ONLY)
     assert all(lw.qkv.layout == torch._mkldnn and lw.gate_up.layout == torch._mkldnn
                for lw in lean._layers)
     assert all(w.layout == torch.strided for w in lean.matrices())  # dense for benchmarks
@@ -190,18 +162,10 @@ def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
     import gc
     import weakref
 
-    from appo.models import load_model
     from appo.rollout.cpu import kernels
-    from appo.rollout.cpu.matmuls import MatmulRule
-    from appo.rollout.hf_engine import HFEngine
-    from appo.rollout.sampling import SamplingParams
 
-    lm = load_model("tiny-test", device="cpu")
-    tok = lm.tokenizer
-    eng = HFEngine(lm.model, tok, seed=3, eos_ids=frozenset())
-    if eng._lean is None:
-        pytest.skip("the tiny model is not served by the lean decoder")
-    eng._lean.rule = MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn")
+    eng, tok = lean_engine()
+    eng._lean.rule = ONEDNN_ONLY
     rows = [eng.add_row(tok.encode(f"Count to {i}.")) for i in range(3)]
     first = eng.decode(rows, 4, SamplingParams(temperature=0.0))
     assert eng._lean._fused is None or not kernels.available() or eng._lean._fused._norms

@@ -64,12 +64,6 @@ class KVBlock:
             self.parent.write_into(dst[:, :, :, :base])
         dst[:, :, :, base:] = self.data
 
-    def dense(self) -> Tensor:
-        """All `length` tokens' keys/values as one new tensor."""
-        if self.parent is None:
-            return self.data.clone()
-        return torch.cat([self.parent.dense(), self.data], dim=3)
-
 
 @dataclass
 class HFRow(Row):
