@@ -103,9 +103,12 @@ def one_thread(impl):
 
 def candidates(use_kernels: bool, single: bool = False):
     """Every implementation this machine can run; `single` adds the kernels on one thread."""
+    from appo.rollout.cpu import onednn
     from appo.rollout.cpu.matmuls import IMPLEMENTATIONS
 
-    impls = [impl for impl in IMPLEMENTATIONS.values() if use_kernels or not impl.kernel]
+    # bf16 weights only where the CPU has the instructions (oneDNN emulates them elsewhere)
+    impls = [impl for impl in IMPLEMENTATIONS.values() if (use_kernels or not impl.kernel)
+             and (onednn.bf16_available() or not impl.low_precision)]
     return impls + ([one_thread(i) for i in impls if i.kernel] if single else [])
 
 
@@ -143,8 +146,10 @@ def table(lm, rows_list: list[int], repeats: int, threads: int) -> None:
     fastest = {}
     for rows in rows_list:
         best = best_times(decoder, impls, rows, repeats)
-        # The rule can only name the engine's implementations, not the 1-thread twins.
-        fastest[rows] = min((n for n in best if "@" not in n), key=best.get)
+        # The rule can only name the engine's float32 implementations: not the 1-thread
+        # twins, not bf16 weights (`rollout.cpu_weights`, which APPO_DECODE_MATMUL refuses).
+        exact = {impl.name for impl in impls if not impl.low_precision}
+        fastest[rows] = min((n for n in best if n in exact), key=best.get)
         cells = " | ".join(f"{best[n] * 1e3:.1f}" for n in names)
         gains = "".join(f"{best[f'{n}@1'] / best[n]:.2f}x | " for n in split)
         print(f"| {rows} | {cells} | {fastest[rows]} | "
