@@ -16,7 +16,9 @@ is one kernel call on numpy views of the same memory:
   unit (`_dots`: scores, then probabilities x the prefix's values, transposed once per
   decode call by `transpose_values`), so each prefix key and value is read once per unit;
   each row's own columns follow as an online softmax over blocks of `BLOCK` columns
-  (flash-decoding) on top of the prefix's max, sum and output. Columns outside a row's
+  (flash-decoding) on top of the prefix's max, sum and output, the row's query heads of
+  one KV head together (`_block`: a block's keys and values read once for all of them,
+  its scores one `_dots`). Columns outside a row's
   `[first, last]` are never read (no mask tensor: left padding and unwritten columns are
   skipped, not multiplied by zero).
 - `rms_norm`, `add_rms_norm` (the residual add fused with the next norm), `silu_mul`
@@ -34,7 +36,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-BLOCK = 32  # columns per online-softmax block: a block of keys/values stays in L1
+BLOCK = 64  # columns per online-softmax block: a block of keys/values stays in L1
 # Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
 # prefix's matmuls, few enough that a 2-core split has units to balance at 8+ rows.
 ROWS_PER_UNIT = 8
@@ -139,31 +141,37 @@ def _exp_nonpositive(x, n, bits):  # pragma: no cover - numba
 
 
 @jit
-def _block(q, keys, values, c0, n, scale, scores, bits, m, s, acc):  # pragma: no cover
-    # Online softmax over columns c0:c0+n of one (row, head): running max `m[0]`, sum
-    # `s[0]` and unnormalised output `acc`, rescaled when the max grows.
-    d = q.shape[0]
-    top = m[0]
-    for j in range(n):
-        dot = q.dtype.type(0.0)
+def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc):  # pragma: no cover
+    # Online softmax over columns c0:c0+n for the G query heads `qg` [G, d] of one KV head
+    # (grouped-query attention: each key and value read once for all G): running max
+    # `m` [G, 1], sum `s` [G, 1] and unnormalised output `acc` [G, d], rescaled when the max
+    # grows. `sct` [BLOCK, G] and `probs` [G, BLOCK] are scratch.
+    groups, d = qg.shape
+    _dots(keys[c0 : c0 + n], qg, sct[:n])  # sct[j, g] = keys[c0 + j] . qg[g]
+    for g in range(groups):
+        p = probs[g]
+        top = m[g, 0]
+        for j in range(n):
+            p[j] = sct[j, g] * scale
+            top = max(top, p[j])
+        alpha = np.exp(m[g, 0] - top)
+        for j in range(n):
+            p[j] -= top
+        _exp_nonpositive(p, n, bits)
+        total = s[g, 0] * alpha
+        for j in range(n):
+            total += p[j]
         for i in range(d):
-            dot += q[i] * keys[c0 + j, i]
-        scores[j] = dot * scale
-        top = max(top, scores[j])
-    alpha = np.exp(m[0] - top)
+            acc[g, i] *= alpha
+        m[g, 0] = top
+        s[g, 0] = total
     for j in range(n):
-        scores[j] -= top
-    _exp_nonpositive(scores, n, bits)
-    total = s[0] * alpha
-    for i in range(d):
-        acc[i] *= alpha
-    for j in range(n):
-        p = scores[j]
-        total += p
-        for i in range(d):
-            acc[i] += p * values[c0 + j, i]
-    m[0] = top
-    s[0] = total
+        v = values[c0 + j]
+        for g in range(groups):
+            pj = probs[g, j]
+            for i in range(d):
+                acc[g, i] += pj * v[i]
+
 
 @jit
 def _dots(a, b, out):  # pragma: no cover - numba
@@ -259,7 +267,8 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
     qa = np.empty((nq, d), q.dtype)
     # Scratch with contiguous rows (numba vectorises `_dots` only over C-layout slices).
     ps = np.empty((nq, prefix), q.dtype)
-    scores = np.empty(BLOCK, q.dtype)
+    sct = np.empty((BLOCK, group), q.dtype)
+    probs = np.empty((group, BLOCK), q.dtype)
     acc = np.empty((nq, d), q.dtype)
     bits = np.empty(max(prefix, BLOCK), np.int32)
     m = np.empty((nq, 1), q.dtype)
@@ -294,14 +303,16 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
             m[:n] = -np.inf
             s[:n] = 0.0
             acc[:n] = 0.0
-        # Each row's own columns, online softmax in blocks on top of the prefix's state.
+        # Each row's own columns, online softmax in blocks on top of the prefix's state,
+        # the row's query heads of this KV head together.
         for b in range(r0, r1):
             keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
+            q0, q1 = (b - r0) * group, (b - r0 + 1) * group
+            for c0 in range(first[b], last + 1, BLOCK):
+                _block(qa[q0:q1], keys, values, c0, min(BLOCK, last + 1 - c0), scale, sct,
+                       probs, bits, m[q0:q1], s[q0:q1], acc[q0:q1])
             for j in range(group):
-                qi = (b - r0) * group + j
-                for c0 in range(first[b], last + 1, BLOCK):
-                    _block(qa[qi], keys, values, c0, min(BLOCK, last + 1 - c0), scale,
-                           scores, bits, m[qi], s[qi], acc[qi])
+                qi = q0 + j
                 inv = 1.0 / s[qi, 0]
                 h = g * group + j
                 for i in range(d):
