@@ -30,12 +30,6 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Before any torch buffer exists: torch's CPU allocator reads this switch once
-# (`appo.hugepages`: huge pages for the weights a CPU decode step streams).
-from appo import hugepages as _hugepages  # noqa: E402
-
-_hugepages.enable()
-
 # name -> (module, attribute): imported on first access (PEP 562), since the trainer pulls
 # torch and transformers.
 _EXPORTS: dict[str, tuple[str, str]] = {
