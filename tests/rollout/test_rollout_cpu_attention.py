@@ -329,3 +329,39 @@ def test_attention_split_over_units_and_threads_is_bit_identical(k, rows):
         out = np.full((rows, heads, hd), np.nan, np.float32)
         split.run_chunks(k.attend_units, (*args, out), chunks, threads)
         assert np.array_equal(out, whole)  # every unit written, to the bit
+
+
+@pytest.mark.parametrize("rows,norms", [(5, False), (19, True)])
+def test_rope_inside_the_attention_units_equals_rope_write_then_attention(k, rows, norms):
+    # The fused step's job: each unit rotates its own rows' heads and writes its KV head's
+    # new column, then attends; any split of the units gives rope_write + attend_units,
+    # queries, cache and output, to the bit.
+    from appo.rollout.cpu import split
+
+    gen = np.random.default_rng(rows)
+    heads, kv_heads, hd, prefix, col = 9, 3, 64, 24, 50
+    qkv = gen.standard_normal((rows, (heads + 2 * kv_heads) * hd), np.float32)
+    angle = gen.random((rows, hd // 2), np.float32) * 6
+    cos = np.cos(np.concatenate([angle, angle], 1))
+    sin = np.sin(np.concatenate([angle, angle], 1))
+    q_norm, k_norm = ((gen.random(hd, np.float32), gen.random(hd, np.float32)) if norms
+                      else (np.empty(0, np.float32),) * 2)
+    buf = gen.standard_normal((2, 2, rows, kv_heads, col + 4, hd), np.float32)
+    first = gen.integers(0, 20, rows).astype(np.int64)
+    pk = gen.standard_normal((kv_heads, prefix, hd), np.float32)
+    pvt = k.transpose_values(gen.standard_normal((kv_heads, prefix, hd), np.float32))
+    rope = (qkv, cos, sin, q_norm, k_norm, 1e-6)
+    want_buf, want_q = buf.copy(), np.empty((rows, heads, hd), np.float32)
+    k.rope_write(*rope, want_buf, 1, col, want_q)
+    n = k.units(rows, kv_heads)
+    want = np.empty((rows, heads, hd), np.float32)
+    k.attend_units(want_q, want_buf, 1, first, col, pk, pvt, hd**-0.5, want, 0, n)
+    for threads, chunks in ((1, ((0, n),)), (2, tuple((u, u + 1) for u in range(n))),
+                            (3, ((0, 1), (1, n - 1), (n - 1, n)))):
+        got_buf, q = buf.copy(), np.full((rows, heads, hd), np.nan, np.float32)
+        out = np.full((rows, heads, hd), np.nan, np.float32)
+        split.run_chunks(k.rope_attend_units,
+                         (*rope, q, got_buf, 1, first, col, pk, pvt, hd**-0.5, out), chunks,
+                         threads)
+        assert np.array_equal(q, want_q) and np.array_equal(got_buf, want_buf)
+        assert np.array_equal(out, want)

@@ -292,3 +292,25 @@ def test_sampling_through_the_team_equals_the_queue_path_bit_for_bit(team, penal
         for a, b in zip(got, want, strict=True):
             assert np.array_equal(a, b)
     assert int(team._TEAM.ctl[team.SEQ]) == seq + 2  # both went through the team
+
+
+@pytest.mark.parametrize("rows", [8, 19])
+def test_attention_with_rope_through_the_team_equals_one_call_bit_for_bit(team, rows):
+    from appo.rollout.cpu import attention
+
+    args, n_units = _attention_case(rows, 7, rows)
+    q, buf = args[0], args[1]
+    rng = np.random.default_rng(rows + 1)
+    heads, kv_heads, d = q.shape[1], buf.shape[3], q.shape[2]
+    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * d), dtype=np.float32)
+    cos = rng.standard_normal((rows, d), dtype=np.float32)
+    sin = rng.standard_normal((rows, d), dtype=np.float32)
+    rope = (qkv, cos, sin, np.empty(0, np.float32), np.empty(0, np.float32), 1e-6)
+    want_q, want_buf, want = np.empty_like(q), buf.copy(), np.empty_like(q)
+    attention.rope_attend_units(*rope, want_q, want_buf, *args[2:], want, 0, n_units)
+    units = tuple((u, u + 1) for u in range(n_units))
+    for threads in (2, 3):
+        got_q, got_buf, out = np.full_like(q, np.nan), buf.copy(), np.full_like(q, np.nan)
+        team.attend((got_q, got_buf, *args[2:], out), units, threads, rope)
+        assert np.array_equal(got_q, want_q) and np.array_equal(got_buf, want_buf)
+        assert np.array_equal(out, want), threads

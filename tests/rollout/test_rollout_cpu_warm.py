@@ -60,7 +60,7 @@ def test_warm_compiles_every_signature_a_rollout_calls():
     before, after = seen["before"], seen["after"]
     # The fused step's kernels and at least one matmul kernel of this machine's rule (where
     # it names one: the AMD AVX-512 rule multiplies through oneDNN alone).
-    assert all(before.get(name) for name in ("rope_write", "attend_units", "rms_norm",
+    assert all(before.get(name) for name in ("rope_attend_units", "rms_norm",
                                              "add_rms_norm", "silu_mul", "sample_rows",
                                              "_matmul", "_attention", "_serve")), before
     if decode_rule(torch.float32, torch.device("cpu"), True).kernels:

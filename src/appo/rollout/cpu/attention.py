@@ -78,27 +78,27 @@ def _rope(src, cos, sin, dst):  # pragma: no cover - numba
 
 
 @jit
-def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # pragma: no cover
-    # qkv [B, (H + 2 KV) * d] (one decode step's packed projection); cos/sin [B, d];
-    # q_norm/k_norm [d] or empty; rotated queries -> q_out [B, H, d]; rotated keys and
-    # the values -> buf[layer, 0/1, b, kv_head, col]. The norm or not is decided per head
-    # outside the element loops: one helper branching on it per call (with a scratch
-    # copy either way) ran 2-3x slower.
-    rows, heads, d = q_out.shape
+def _rope_rows(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out, r0, r1, g0,
+               g1):  # pragma: no cover - numba
+    # `rope_write` for rows r0:r1 and KV heads g0:g1 with their query heads. The norm or
+    # not is decided per head outside the element loops: one helper branching on it per
+    # call (with a scratch copy either way) ran 2-3x slower.
+    heads, d = q_out.shape[1], q_out.shape[2]
     kv_heads = buf.shape[3]
+    group = heads // kv_heads
     tmp = np.empty(d, qkv.dtype)
     normed_q = q_norm.shape[0] > 0
     normed_k = k_norm.shape[0] > 0
-    for b in range(rows):
+    for b in range(r0, r1):
         c, s = cos[b], sin[b]
-        for h in range(heads):
-            src = qkv[b, h * d : (h + 1) * d]
-            if normed_q:
-                _rms_into(src, q_norm, eps, tmp)
-                _rope(tmp, c, s, q_out[b, h])
-            else:
-                _rope(src, c, s, q_out[b, h])
-        for g in range(kv_heads):
+        for g in range(g0, g1):
+            for h in range(g * group, (g + 1) * group):
+                src = qkv[b, h * d : (h + 1) * d]
+                if normed_q:
+                    _rms_into(src, q_norm, eps, tmp)
+                    _rope(tmp, c, s, q_out[b, h])
+                else:
+                    _rope(src, c, s, q_out[b, h])
             lo = (heads + g) * d
             src = qkv[b, lo : lo + d]
             if normed_k:
@@ -110,6 +110,15 @@ def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # p
             dst = buf[layer, 1, b, g, col]
             for i in range(d):
                 dst[i] = qkv[b, lo + i]
+
+
+@jit
+def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # pragma: no cover
+    # qkv [B, (H + 2 KV) * d] (one decode step's packed projection); cos/sin [B, d];
+    # q_norm/k_norm [d] or empty; rotated queries -> q_out [B, H, d]; rotated keys and
+    # the values -> buf[layer, 0/1, b, kv_head, col].
+    _rope_rows(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out, 0, q_out.shape[0],
+               0, buf.shape[3])
 
 
 @jit
@@ -317,6 +326,24 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
                 h = g * group + j
                 for i in range(d):
                     out[b, h, i] = acc[qi, i] * inv
+
+
+@jit
+def rope_attend_units(qkv, cos, sin, q_norm, k_norm, eps, q, buf, layer, first, last, pk, pvt,
+                      scale, out, lo, hi):  # pragma: no cover - numba
+    # `rope_write` then `attend_units` for the work units lo:hi: each unit first rotates
+    # its rows' queries of its KV head and writes that head's new key and value (column
+    # `last`), then attends. The units cover every (row, head) once and read only what
+    # they wrote, so the rotary work splits over the threads with the attention, bit for
+    # bit as `rope_write` over all rows followed by `attend_units`.
+    rows, kv_heads = q.shape[0], buf.shape[3]
+    per = rows_per_unit(rows, kv_heads)
+    blocks = -(-rows // per)
+    for u in range(lo, hi):
+        g, r0 = u // blocks, per * (u % blocks)
+        _rope_rows(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, last, q, r0,
+                   min(rows, r0 + per), g, g + 1)
+    attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi)
 
 
 @jit

@@ -2,8 +2,9 @@
 
 `LeanDecoder` runs a decode step (one new token per row, float32 on CPU) here when numba is
 available: per layer four matmuls (the decode rule's implementation, as on the torch path)
-and, between them, `attention`'s kernels: RMSNorm, rotary + cache write, one attention
-kernel, residual add fused with the next norm, SiLU x up. What the torch path rebuilt in
+and, between them, `attention`'s kernels: RMSNorm, rotary + cache write and attention in
+one split job (`attention.rope_attend_units`), residual add fused with the next norm,
+SiLU x up. What the torch path rebuilt in
 every layer is done once per step: rotary's cos/sin, the numpy views of the batch buffer
 and of the step's work arrays, each row's first visible column (instead of an additive
 mask). Once per decode call (per shared prefix): the prefix's values transposed for the
@@ -136,10 +137,10 @@ class FusedStep:
         for idx, lw in enumerate(lean._layers):
             in_norm, post_norm, q_norm, k_norm = norms[idx]
             qkv = linear(x, x_t, lw.qkv, lw.qkv_bias)
-            k.rope_write(qkv, cos_np, sin_np, q_norm, k_norm, eps, buf, idx, col, q)
             pk, pv = (empty_kv, empty_kv_t) if pkv is None else (pkv[idx, 0], pvt[idx])
+            # Rotary + cache write inside the attention's units: split over the threads too.
             self.team.attend((q, buf, idx, first_np, col, pk, pv, lean.scale, att3), units,
-                             threads)
+                             threads, (qkv, cos_np, sin_np, q_norm, k_norm, eps))
             k.add_rms_norm(h, linear(att, att_t, lw.o, lw.o_bias), post_norm, eps, x)
             gate_up = linear(x, x_t, lw.gate_up, lw.gate_up_bias)
             if act is None:

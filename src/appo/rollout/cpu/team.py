@@ -14,7 +14,8 @@ runs; a decode step's gaps are shorter) returns to Python and sleeps on an event
 next job's caller wakes it; that job is done without it.
 
 Jobs: the numba matmul kernels (`appo.rollout.cpu.kernels`, `x @ w^T` on C-contiguous
-float32 arrays) and the fused step's attention (`attention.attend_units`, float32), at
+float32 arrays) and the fused step's attention (`attention.attend_units`, float32; with
+the step's rotary + cache write, `rope_attend_units`), at
 most `MAX_THREADS` threads. Any other kernel, layout, dtype or thread count takes `split`'s
 path. Chunks are the same as `split`'s and
 each runs the same compiled kernel on arrays of the same type and layout, so results are
@@ -112,8 +113,18 @@ def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
         first = numba.carray(i64_at(ctl[f + 12]), (ctl[f + 1],))
         pk = numba.carray(f32_at(ctl[f + 13]), (ctl[f + 14], ctl[f + 15], ctl[f + 16]))
         pvt = numba.carray(f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 16], ctl[f + 15]))
-        attention.attend_units(q, buf, ctl[LAYER], first, ctl[LAST], pk, pvt, fctl[0], out,
-                               lo, hi)
+        if ctl[f + 18] == 0:
+            attention.attend_units(q, buf, ctl[LAYER], first, ctl[LAST], pk, pvt, fctl[0],
+                                   out, lo, hi)
+            return
+        rows = ctl[f + 1]  # with the step's rotary + cache write (`rope_attend`)
+        attention.rope_attend_units(
+            numba.carray(f32_at(ctl[f + 19]), (rows, ctl[f + 20])),
+            numba.carray(f32_at(ctl[f + 21]), (rows, ctl[f + 3])),
+            numba.carray(f32_at(ctl[f + 22]), (rows, ctl[f + 3])),
+            numba.carray(f32_at(ctl[f + 23]), (ctl[f + 24],)),
+            numba.carray(f32_at(ctl[f + 25]), (ctl[f + 26],)), fctl[4], q, buf, ctl[LAYER],
+            first, ctl[LAST], pk, pvt, fctl[0], out, lo, hi)
         return
     if kind == SAMPLING:
         rows, vocab = ctl[f + 1], ctl[f + 2]
@@ -248,11 +259,16 @@ def _matmul(ctl, fctl, bounds, helpers, omp_threads, body, kind, x, w,
 
 @jit
 def _attention(ctl, fctl, bounds, helpers, omp_threads, body, q, buf, layer, first, last,
-               pk, pvt, scale, out):  # pragma: no cover - numba
+               pk, pvt, scale, out, rope, qkv, cos, sin, q_norm, k_norm,
+               eps):  # pragma: no cover - numba
     tag = _publish(ctl, ATTENTION, bounds, helpers)
     f = FIELDS
     ctl[LAYER], ctl[LAST] = layer, last
-    fctl[0] = scale
+    fctl[0], fctl[4] = scale, eps
+    ctl[f + 18], ctl[f + 19], ctl[f + 20] = rope, qkv.ctypes.data, qkv.shape[1]
+    ctl[f + 21], ctl[f + 22] = cos.ctypes.data, sin.ctypes.data
+    ctl[f + 23], ctl[f + 24] = q_norm.ctypes.data, q_norm.shape[0]
+    ctl[f + 25], ctl[f + 26] = k_norm.ctypes.data, k_norm.shape[0]
     ctl[f], ctl[f + 1], ctl[f + 2], ctl[f + 3] = q.ctypes.data, q.shape[0], q.shape[1], q.shape[2]
     ctl[f + 4], ctl[f + 5] = out.ctypes.data, buf.ctypes.data
     for i in range(6):
@@ -328,7 +344,7 @@ class Team:
 
     def __init__(self):
         self.ctl = np.zeros(TAKEN + MAX_HELPERS, np.int64)
-        self.fctl = np.zeros(4, np.float64)
+        self.fctl = np.zeros(5, np.float64)
         self.sleeping: list[bool] = []
         self.wake: list[threading.Event] = []
         self.busy = threading.Lock()
@@ -419,16 +435,28 @@ def run(kernel, x: np.ndarray, w: np.ndarray, out: np.ndarray, threads: int) -> 
     split.run(kernel, x, w, out, threads)
 
 
-def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int) -> None:
+_NO_ROPE = (np.zeros((1, 1), np.float32), *(np.zeros((1, 1), np.float32),) * 2,
+            *(np.zeros(0, np.float32),) * 2, 0.0)
+
+
+def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int,
+           rope: tuple | None = None) -> None:
     """`attention.attend_units(*args, lo, hi)` for every unit range of `units` (contiguous,
-    in order), over `threads` threads: the team where it applies, else `split`."""
+    in order), over `threads` threads: the team where it applies, else `split`. `rope`
+    (`qkv, cos, sin, q_norm, k_norm, eps`): each unit first does its share of
+    `attention.rope_write` (`attention.rope_attend_units`)."""
     q, buf, layer, first, last, pk, pvt, scale, out = args
-    if (len(units) > 1 and enabled() and _plain(q, buf, pk, pvt, out)
+    extra = _NO_ROPE if rope is None else rope
+    if (len(units) > 1 and enabled() and _plain(q, buf, pk, pvt, out, *extra[:5])
             and first.dtype == np.int64 and first.flags.c_contiguous
             and _TEAM.run(_attention, (q, buf, int(layer), first, int(last), pk, pvt,
-                                       float(scale), out), units, threads)):
+                                       float(scale), out, int(rope is not None),
+                                       *extra[:5], float(extra[5])), units, threads)):
         return
-    split.run_chunks(attention.attend_units, args, units, threads)
+    if rope is None:
+        split.run_chunks(attention.attend_units, args, units, threads)
+    else:
+        split.run_chunks(attention.rope_attend_units, (*rope, *args), units, threads)
 
 
 def sample_runner(kernel, args: tuple, units: tuple[tuple[int, int], ...],
@@ -461,7 +489,7 @@ def warm() -> None:
     buf = np.ones((1, 2, 2, 1, 3, 4), np.float32)
     pk, pvt = np.zeros((1, 0, 4), np.float32), np.zeros((1, 4, 0), np.float32)
     _TEAM.run(_attention, (q, buf, 0, np.zeros(2, np.int64), 0, pk, pvt, 0.5,
-                           np.empty_like(q)), ((0, 1), (1, 1)), 2)
+                           np.empty_like(q), 0, *_NO_ROPE[:5], 0.0), ((0, 1), (1, 1)), 2)
     # The helpers' loop, here rather than in whichever helper thread starts first (it
     # returns at once: no idle round allowed).
     _serve(_TEAM.ctl, _TEAM.fctl, 0, int(_TEAM.ctl[SEQ]), 0)
