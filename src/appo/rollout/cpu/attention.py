@@ -8,6 +8,8 @@ is one kernel call on numpy views of the same memory:
 - `rope_write`: the optional per-head RMSNorm (qwen3's q/k norms), rotary on the queries
   and the new keys, and the write of the new keys/values into the batch buffer
   (`[layers, 2, rows, kv_heads, capacity, head_dim]`, `hf_batch`) at the step's column.
+  The fused step runs it inside the attention's units (`rope_attend_units`: each unit its
+  rows' heads of its KV head, then its attention), so it splits over the threads too.
 - `attend` (`attend_units`: the work units `lo:hi`, for a split over threads; a unit is
   one KV head x `ROWS_PER_UNIT` rows, fewer where that makes under `MIN_UNITS` units):
   decode attention for one layer, one query per row.
