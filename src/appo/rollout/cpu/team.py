@@ -435,8 +435,9 @@ def run(kernel, x: np.ndarray, w: np.ndarray, out: np.ndarray, threads: int) -> 
     split.run(kernel, x, w, out, threads)
 
 
-_NO_ROPE = (np.zeros((1, 1), np.float32), *(np.zeros((1, 1), np.float32),) * 2,
-            *(np.zeros(0, np.float32),) * 2, 0.0)
+# `_attention`'s rope arguments when there is none (qkv, cos, sin, q_norm, k_norm, eps):
+# the same array types as a real call, so the job keeps one compiled signature.
+_NO_ROPE = (*(np.zeros((1, 1), np.float32),) * 3, *(np.zeros(0, np.float32),) * 2, 0.0)
 
 
 def attend(args: tuple, units: tuple[tuple[int, int], ...], threads: int,
