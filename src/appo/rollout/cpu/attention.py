@@ -37,6 +37,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 BLOCK = 64  # columns per online-softmax block: a block of keys/values stays in L1
 # Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
@@ -47,6 +51,27 @@ ROWS_PER_UNIT = 8
 MIN_UNITS = 4
 # Reassociation and contraction only: `attend` starts each running max at -inf.
 FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """A hint to bring the cache line holding `arr[idx]` (a 1-D array) into the caches (LLVM's
+    `llvm.prefetch`: a read, into L2 and outer levels): no result, never a fault, nothing
+    where the target has no prefetch instruction. Here, not in `atomics`: numba's on-disk
+    cache of a kernel checks only its own file."""
+    def codegen(context, builder, sig, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0],
+                                       context.make_array(sig.args[0])(context, builder,
+                                                                       args[0]), [args[1]])
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 1),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
+
+
 # Module-level kernels (numba resolves the helpers they call as globals, so the on-disk
 # cache finds them again in a new process; closures' captured helpers defeat it).
 # `error_model="numpy"`: a float division is IEEE's (inf/NaN on zero). Python's model
@@ -152,11 +177,13 @@ def _exp_nonpositive(x, n, bits):  # pragma: no cover - numba
 
 
 @jit
-def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc):  # pragma: no cover
+def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc, nk, nv, nc,
+           nn):  # pragma: no cover
     # Online softmax over columns c0:c0+n for the G query heads `qg` [G, d] of one KV head
     # (grouped-query attention: each key and value read once for all G): running max
     # `m` [G, 1], sum `s` [G, 1] and unnormalised output `acc` [G, d], rescaled when the max
-    # grows. `sct` [BLOCK, G] and `probs` [G, BLOCK] are scratch.
+    # grows. `sct` [BLOCK, G] and `probs` [G, BLOCK] are scratch. The block after this one
+    # (keys `nk` and values `nv`, columns nc:nc+nn) is prefetched along the way.
     groups, d = qg.shape
     _dots(keys[c0 : c0 + n], qg, sct[:n])  # sct[j, g] = keys[c0 + j] . qg[g]
     for g in range(groups):
@@ -176,7 +203,26 @@ def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc):  # prag
             acc[g, i] *= alpha
         m[g, 0] = top
         s[g, 0] = total
-    for j in range(n):
+    # probs x values, four columns per pass over `acc` (one load and store of `acc` per
+    # four multiply-adds, not per one).
+    n4 = n - n % 4
+    line = 64 // nk.itemsize
+    plo, phi = nc * d, (nc + nn) * d  # the next block in the flat keys / values
+    step = 4 * d
+    for j in range(0, n4, 4):
+        for i in range(plo + j * d, min(plo + j * d + step, phi), line):
+            prefetch(nk, i)
+            prefetch(nv, i)
+        v0, v1, v2, v3 = values[c0 + j], values[c0 + j + 1], values[c0 + j + 2], values[c0 + j + 3]
+        for g in range(groups):
+            p0, p1, p2, p3 = probs[g, j], probs[g, j + 1], probs[g, j + 2], probs[g, j + 3]
+            a = acc[g]
+            for i in range(d):
+                a[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+    for i in range(plo + n4 * d, phi, line):
+        prefetch(nk, i)
+        prefetch(nv, i)
+    for j in range(n4, n):
         v = values[c0 + j]
         for g in range(groups):
             pj = probs[g, j]
@@ -320,8 +366,15 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
             keys, values = buf[layer, 0, b, g], buf[layer, 1, b, g]
             q0, q1 = (b - r0) * group, (b - r0 + 1) * group
             for c0 in range(first[b], last + 1, BLOCK):
+                # Prefetched meanwhile: the next row's block at the same place (one row's
+                # work ahead; none after the unit's last row).
+                nb = min(b + 1, r1 - 1)
+                nc = c0 - first[b] + first[nb]
+                nn = 0 if b + 1 >= r1 else max(0, min(BLOCK, last + 1 - nc))
                 _block(qa[q0:q1], keys, values, c0, min(BLOCK, last + 1 - c0), scale, sct,
-                       probs, bits, m[q0:q1], s[q0:q1], acc[q0:q1])
+                       probs, bits, m[q0:q1], s[q0:q1], acc[q0:q1],
+                       buf[layer, 0, nb, g].reshape(-1), buf[layer, 1, nb, g].reshape(-1),
+                       nc, nn)
             for j in range(group):
                 qi = q0 + j
                 inv = 1.0 / s[qi, 0]
