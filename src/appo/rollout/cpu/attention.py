@@ -20,7 +20,11 @@ is one kernel call on numpy views of the same memory:
   each row's own columns follow as an online softmax over blocks of `BLOCK` columns
   (flash-decoding) on top of the prefix's max, sum and output, the row's query heads of
   one KV head together (`_block`: a block's keys and values read once for all of them,
-  its scores one `_dots`). Columns outside a row's
+  its scores one `_dots`, probabilities x values four columns per pass over the output).
+  While a block is worked on, the same block of the unit's next row is prefetched
+  (`prefetch`, `llvm.prefetch`): a decode step's matmuls stream every weight through the
+  caches between two layers' attention, so the cache is cold by then, and at 32 rows a
+  layer's own columns are megabytes. Columns outside a row's
   `[first, last]` are never read (no mask tensor: left padding and unwritten columns are
   skipped, not multiplied by zero).
 - `rms_norm`, `add_rms_norm` (the residual add fused with the next norm), `silu_mul`
