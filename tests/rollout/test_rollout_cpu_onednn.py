@@ -179,3 +179,58 @@ def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
     again = eng.decode(rows, 4, SamplingParams(temperature=0.0))
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
 
+
+
+def _recording_madvise(monkeypatch, result: int = 0) -> list[tuple[int, int, int]]:
+    calls: list[tuple[int, int, int]] = []
+
+    def madvise(addr, length, advice):
+        calls.append((addr, length, advice))
+        return result
+
+    monkeypatch.setattr(onednn, "_madvise", lambda: madvise)
+    return calls
+
+
+def test_huge_pages_advises_whole_2mb_pages_around_the_packed_bytes(monkeypatch):
+    calls = _recording_madvise(monkeypatch)
+    packed = onednn.pack(torch.randn(3000, 600))  # 7.2 MB: spans several 2 MB pages
+    start = torch.ops.mkldnn.data_ptr(packed)
+    end = start + torch.ops.mkldnn._nbytes(packed)
+    assert [advice for _, _, advice in calls] == [onednn.MADV_HUGEPAGE, onednn.MADV_COLLAPSE]
+    (lo, length, _), again = calls[0], calls[1]
+    assert again[:2] == (lo, length)  # both advices over the same range
+    assert lo % onednn.HUGE_PAGE == 0 and length % onednn.HUGE_PAGE == 0
+    assert lo <= start < lo + onednn.HUGE_PAGE and end <= lo + length < end + onednn.HUGE_PAGE
+    calls.clear()
+    assert onednn.huge_pages(packed) is True  # the fake's MADV_COLLAPSE succeeded
+    assert not onednn.huge_pages(torch.randn(4, 4))  # a dense tensor: nothing to advise
+    assert len(calls) == 2
+
+
+def test_huge_pages_failures_and_the_switch(monkeypatch):
+    calls = _recording_madvise(monkeypatch, result=-1)  # e.g. a kernel without MADV_COLLAPSE
+    assert onednn.huge_pages(onednn.pack(torch.randn(64, 64))) is False
+    assert len(calls) == 4  # pack's own call and this one, both advices each
+    monkeypatch.undo()
+    monkeypatch.setenv("APPO_CPU_HUGE_PAGES", "0")
+    onednn._madvise.cache_clear()
+    try:
+        assert onednn._madvise() is None
+        assert onednn.huge_pages(onednn.pack(torch.randn(64, 64))) is False
+    finally:
+        monkeypatch.undo()
+        onednn._madvise.cache_clear()
+
+
+def test_huge_pages_changes_no_result():
+    # The real call (on Linux it moves the pages where the kernel allows; elsewhere it does
+    # nothing): the packed bytes and their address stay, so every output stays bit for bit.
+    x, w, b = _case(8)
+    packed = onednn.pack(w)
+    start = torch.ops.mkldnn.data_ptr(packed)
+    before = onednn.linear(x, packed, b)
+    onednn.huge_pages(packed)
+    assert torch.ops.mkldnn.data_ptr(packed) == start
+    assert torch.equal(onednn.linear(x, packed, b), before)
+    assert torch.equal(onednn.linear(x, w, b), before)

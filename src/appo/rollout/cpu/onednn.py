@@ -15,6 +15,14 @@ so a given row count always runs the same kernel: results depend on the machine,
 thread count and the row count, never on what ran before (one layout per weight). float32
 only; anything else goes to `F.linear`.
 
+A packed copy's memory is then moved onto 2 MB transparent huge pages (`huge_pages`:
+`madvise` `MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux 6.1+, where the kernel's THP mode is
+`madvise` or `always`). A decode step at a few rows streams every weight once; on 4 KB
+pages that is ~130,000 pages a step, far more than the TLB holds, and the step's matmuls
+ran ~10 % slower (`benchmarks/RESULTS.md`, "packed weights on huge pages"). The bytes and
+their addresses stay the same, so results do not change. `APPO_CPU_HUGE_PAGES=0` turns it
+off; elsewhere (another OS, an older kernel, THP off) the call does nothing.
+
 `linear_bf16` is the low-precision option (`rollout.cpu_weights=bfloat16`): the weight
 packed as bfloat16 (half the bytes a decode step reads), the input rounded to bfloat16,
 oneDNN's bf16 kernels (`vdpbf16ps`: float32 accumulation), the output rounded to bfloat16
@@ -25,7 +33,10 @@ float32. Its log-probs differ from a float32 forward's (`benchmarks/RESULTS.md`)
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+import sys
 
 import numpy as np
 import torch
@@ -39,6 +50,9 @@ from appo.rollout.cpu.cpuinfo import cpu_info
 # for 1 row, 8-32 rows ran 1.5-1.8x slower than packed for 32 (Zen 5); packed for 8, 32 or
 # 128, 1-256 rows ran within a few percent of each other.
 PACK_ROWS = 32
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's <asm-generic/mman-common.h>
 
 _packed: dict[int, tuple] = {}
 _packed_bf16: dict[int, tuple] = {}
@@ -67,6 +81,36 @@ def bf16_available() -> bool:
     return available() and supported and any(f in cpu_info()["flags"] for f in BF16_FLAGS)
 
 
+@functools.cache
+def _madvise():
+    """libc's `madvise`, on Linux with the switch on (None elsewhere)."""
+    if not sys.platform.startswith("linux") or os.environ.get("APPO_CPU_HUGE_PAGES") == "0":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return fn
+
+
+def huge_pages(packed: Tensor) -> bool:
+    """Back a packed weight's memory with 2 MB pages, now (see module docstring); True where
+    the kernel did. The range is widened to whole 2 MB pages: a weight's neighbours in the
+    heap (mostly the other packed weights) move with it, their bytes unchanged."""
+    madvise = _madvise()
+    if madvise is None or packed.layout != torch._mkldnn:
+        return False
+    try:
+        start, size = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    except (AttributeError, RuntimeError):  # a torch without these ops
+        return False
+    lo, hi = start & -HUGE_PAGE, (start + size + HUGE_PAGE - 1) & -HUGE_PAGE
+    # Failures (no THP, a kernel before 6.1, no huge page free) leave 4 KB pages: same bytes.
+    madvise(lo, hi - lo, MADV_HUGEPAGE)
+    return madvise(lo, hi - lo, MADV_COLLAPSE) == 0
+
+
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """A packed copy of `weight` `[N, K]` (as `dtype`) that `linear` (float32) or
     `linear_bf16` (bfloat16) takes as its weight (a oneDNN tensor, `layout=torch._mkldnn`):
@@ -74,7 +118,9 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     one (the lean decoder's concatenated QKV and gate/up under an all-oneDNN rule)."""
     with torch.no_grad():
         dense = weight.detach().to(dtype).contiguous()
-        return torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
+    huge_pages(packed)
+    return packed
 
 
 def _cached(store: dict, weight: Tensor, dtype: torch.dtype) -> Tensor:
