@@ -195,15 +195,15 @@ def _recording_madvise(monkeypatch, result: int = 0) -> list[tuple[int, int, int
 def test_huge_pages_advises_whole_2mb_pages_around_the_packed_bytes(monkeypatch):
     calls = _recording_madvise(monkeypatch)
     packed = onednn.pack(torch.randn(3000, 600))  # 7.2 MB: spans several 2 MB pages
+    assert not calls  # packing alone moves nothing (`decode_step` does, later)
     start = torch.ops.mkldnn.data_ptr(packed)
     end = start + torch.ops.mkldnn._nbytes(packed)
+    assert onednn.huge_pages(packed) is True  # the fake's MADV_COLLAPSE succeeded
     assert [advice for _, _, advice in calls] == [onednn.MADV_HUGEPAGE, onednn.MADV_COLLAPSE]
     (lo, length, _), again = calls[0], calls[1]
     assert again[:2] == (lo, length)  # both advices over the same range
     assert lo % onednn.HUGE_PAGE == 0 and length % onednn.HUGE_PAGE == 0
     assert lo <= start < lo + onednn.HUGE_PAGE and end <= lo + length < end + onednn.HUGE_PAGE
-    calls.clear()
-    assert onednn.huge_pages(packed) is True  # the fake's MADV_COLLAPSE succeeded
     assert not onednn.huge_pages(torch.randn(4, 4))  # a dense tensor: nothing to advise
     assert len(calls) == 2
 
@@ -211,7 +211,7 @@ def test_huge_pages_advises_whole_2mb_pages_around_the_packed_bytes(monkeypatch)
 def test_huge_pages_failures_and_the_switch(monkeypatch):
     calls = _recording_madvise(monkeypatch, result=-1)  # e.g. a kernel without MADV_COLLAPSE
     assert onednn.huge_pages(onednn.pack(torch.randn(64, 64))) is False
-    assert len(calls) == 4  # pack's own call and this one, both advices each
+    assert len(calls) == 2
     monkeypatch.undo()
     monkeypatch.setenv("APPO_CPU_HUGE_PAGES", "0")
     onednn._madvise.cache_clear()
@@ -221,6 +221,44 @@ def test_huge_pages_failures_and_the_switch(monkeypatch):
     finally:
         monkeypatch.undo()
         onednn._madvise.cache_clear()
+
+
+def test_packed_copies_move_after_serving_enough_decode_steps(monkeypatch):
+    # Rent or buy: the copies made since the last packing move once they have served
+    # HUGE_PAGES_AFTER decode steps, each once; a new packing restarts the count.
+    calls = _recording_madvise(monkeypatch)
+    monkeypatch.setattr(onednn, "HUGE_PAGES_AFTER", 3)
+    monkeypatch.setattr(onednn, "_unmoved", [])
+    a, b = onednn.pack(torch.randn(64, 64)), onednn.pack(torch.randn(32, 64))
+    gone = onednn.pack(torch.randn(16, 64))
+    del gone  # freed before the move: skipped
+    moved = lambda: {c[0] for c in calls}  # noqa: E731 - the ranges advised so far
+    onednn.decode_step()
+    onednn.decode_step()
+    assert not calls
+    onednn.decode_step()
+    assert len(calls) == 4  # a and b, two advices each
+    for t in (a, b):
+        assert torch.ops.mkldnn.data_ptr(t) & -onednn.HUGE_PAGE in moved()
+    onednn.decode_step()
+    assert len(calls) == 4  # nothing left to move
+    c = onednn.pack(torch.randn(48, 64))
+    onednn.decode_step()
+    onednn.decode_step()
+    assert len(calls) == 4
+    onednn.decode_step()
+    assert len(calls) == 6 and torch.ops.mkldnn.data_ptr(c) & -onednn.HUGE_PAGE in moved()
+
+
+def test_every_fused_decode_step_is_counted(monkeypatch):
+    steps = []
+    monkeypatch.setattr(onednn, "decode_step", lambda: steps.append(1))
+    eng, tok = lean_engine()
+    if eng._lean.fused(torch.zeros((2, 1), dtype=torch.long)) is None:
+        pytest.skip("no fused decode step here (numba kernels unavailable)")
+    rows = [eng.add_row(tok.encode(f"Question {i}?")) for i in range(2)]
+    eng.decode(rows, 6, SamplingParams(temperature=0.0))
+    assert len(steps) == 5  # 6 tokens: the first from the prefill's logits, 5 decode steps
 
 
 def test_huge_pages_changes_no_result():

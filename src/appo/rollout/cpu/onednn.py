@@ -15,13 +15,18 @@ so a given row count always runs the same kernel: results depend on the machine,
 thread count and the row count, never on what ran before (one layout per weight). float32
 only; anything else goes to `F.linear`.
 
-A packed copy's memory is then moved onto 2 MB transparent huge pages (`huge_pages`:
-`madvise` `MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux 6.1+, where the kernel's THP mode is
-`madvise` or `always`). A decode step at a few rows streams every weight once; on 4 KB
-pages that is ~130,000 pages a step, far more than the TLB holds, and the step's matmuls
-ran ~10 % slower (`benchmarks/RESULTS.md`, "packed weights on huge pages"). The bytes and
-their addresses stay the same, so results do not change. `APPO_CPU_HUGE_PAGES=0` turns it
-off; elsewhere (another OS, an older kernel, THP off) the call does nothing.
+Packed copies that keep serving decode steps are moved onto 2 MB transparent huge pages
+(`huge_pages`: `madvise` `MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux 6.1+, where the kernel's
+THP mode is `madvise` or `always`). A decode step at a few rows streams every weight once;
+on 4 KB pages that is ~130,000 pages a step, far more than the TLB holds, and the step's
+matmuls ran 6-12 % slower (`benchmarks/RESULTS.md`, "packed weights on huge pages"). The
+move copies the bytes, about what `HUGE_PAGES_AFTER` decode steps gain back (both scale
+with the weights' size), so it happens once the copies made since the last packing have
+served that many steps (`decode_step`; a rent-or-buy rule: at most twice the best choice's
+cost whatever comes next). An RL step whose rollout is shorter, repacked after every
+update, never pays it; a long rollout, an evaluation or a benchmark does, once. The bytes
+and their addresses stay the same, so results do not change. `APPO_CPU_HUGE_PAGES=0`
+turns it off; elsewhere (another OS, an older kernel, THP off) the call does nothing.
 
 `linear_bf16` is the low-precision option (`rollout.cpu_weights=bfloat16`): the weight
 packed as bfloat16 (half the bytes a decode step reads), the input rounded to bfloat16,
@@ -37,6 +42,7 @@ import ctypes
 import functools
 import os
 import sys
+import weakref
 
 import numpy as np
 import torch
@@ -53,6 +59,12 @@ PACK_ROWS = 32
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's <asm-generic/mman-common.h>
+
+# Decode steps the packed copies serve before their move onto huge pages (`decode_step`):
+# moving SmolLM2's 540 MB took 0.3-1.4 s, a step's matmuls gained ~2 ms (Zen 5).
+HUGE_PAGES_AFTER = 256
+_unmoved: list[weakref.ref] = []  # packed copies not on huge pages yet
+_steps_since_pack = 0
 
 _packed: dict[int, tuple] = {}
 _packed_bf16: dict[int, tuple] = {}
@@ -119,8 +131,25 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     with torch.no_grad():
         dense = weight.detach().to(dtype).contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
-    huge_pages(packed)
+    global _steps_since_pack
+    _unmoved.append(weakref.ref(packed))
+    _steps_since_pack = 0
     return packed
+
+
+def decode_step() -> None:
+    """Count one decode step served by the packed copies; at `HUGE_PAGES_AFTER` steps since
+    the last packing, move every copy made since onto huge pages (`huge_pages`)."""
+    global _steps_since_pack
+    if not _unmoved:
+        return
+    _steps_since_pack += 1
+    if _steps_since_pack >= HUGE_PAGES_AFTER:
+        for ref in _unmoved:
+            packed = ref()
+            if packed is not None:
+                huge_pages(packed)
+        _unmoved.clear()
 
 
 def _cached(store: dict, weight: Tensor, dtype: torch.dtype) -> Tensor:
@@ -193,3 +222,4 @@ def drop() -> None:
     """Free every packed copy (an engine dropping its weight copies before an update)."""
     _packed.clear()
     _packed_bf16.clear()
+    _unmoved[:] = [ref for ref in _unmoved if ref() is not None]
