@@ -15,7 +15,7 @@ The rule:
    time it saves over the run repays its longer start-up (`CPU_STARTUP_S`: 65 s against
    4 s). The run's decoded tokens are estimated as calls x rows x response budget x
    `EXPECTED_FILL`. With the tables below (issue 43's kernels) the hf engine decodes faster
-   at both measured batch sizes on AVX2 and on AVX-512 (hf 1.06x / 1.08x at 8 / 32 rows),
+   at both measured batch sizes on AVX2 and on AVX-512 (hf 1.08x / 1.09x at 8 / 32 rows),
    so a CPU run stays on hf whatever its length; with
    the table they replaced (vLLM 2.0-2.1x faster, before those kernels) the crossover was
    the start-up: ~12k expected decoded tokens at 8 rows, ~21k at 32 (`break_even_tokens`).
@@ -42,14 +42,14 @@ from typing import Any
 # `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching on`
 # (`benchmarks/RESULTS.md`). avx2: 2026-11-27, an AMD EPYC Zen 3, the hf engine with the
 # numba sampling kernel, spinning helper threads and the panel matmul kernel. avx512:
-# 2026-11-28, an AMD EPYC Zen 5, the hf engine with oneDNN's GEMM on packed weights and
-# torch's OpenMP pool for its numba jobs (`appo.rollout.cpu`; 83d9164, float32 weights:
-# `rollout.cpu_weights=bfloat16` is not counted); Intel's AVX-512 CPUs are
+# 2026-11-28, an AMD EPYC Zen 5, the hf engine with oneDNN's GEMM on packed weights (on
+# huge pages) and torch's OpenMP pool for its numba jobs (`appo.rollout.cpu`; 30842d9,
+# float32 weights: `rollout.cpu_weights=bfloat16` is not counted); Intel's AVX-512 CPUs are
 # assumed to scale alike (not measured against vLLM). Other models likewise.
 CPU_DECODE_BY_ISA: dict[str, tuple[tuple[int, float, float], ...]] = {
     # (rows per call, hf decode tok/s, vLLM decode tok/s)
     "avx2": ((8, 171.1, 125.9), (32, 291.0, 212.8)),
-    "avx512": ((8, 348.6, 328.2), (32, 675.2, 627.4)),
+    "avx512": ((8, 399.2, 360.6), (32, 647.1, 615.4)),
 }
 
 
