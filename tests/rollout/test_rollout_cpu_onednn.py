@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -180,7 +182,6 @@ def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
 
 
-
 def _recording_madvise(monkeypatch, result: int = 0) -> list[tuple[int, int, int]]:
     calls: list[tuple[int, int, int]] = []
 
@@ -228,7 +229,7 @@ def test_packed_copies_move_after_serving_enough_decode_steps(monkeypatch):
     # HUGE_PAGES_AFTER decode steps, each once; a new packing restarts the count.
     calls = _recording_madvise(monkeypatch)
     monkeypatch.setattr(onednn, "HUGE_PAGES_AFTER", 3)
-    monkeypatch.setattr(onednn, "_unmoved", [])
+    monkeypatch.setattr(onednn, "_unmoved", weakref.WeakSet())
     a, b = onednn.pack(torch.randn(64, 64)), onednn.pack(torch.randn(32, 64))
     gone = onednn.pack(torch.randn(16, 64))
     del gone  # freed before the move: skipped

@@ -63,7 +63,7 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's <asm-generic/mman-common.h>
 # Decode steps the packed copies serve before their move onto huge pages (`decode_step`):
 # moving SmolLM2's 540 MB took 0.3-1.4 s, a step's matmuls gained ~2 ms (Zen 5).
 HUGE_PAGES_AFTER = 256
-_unmoved: list[weakref.ref] = []  # packed copies not on huge pages yet
+_unmoved: weakref.WeakSet = weakref.WeakSet()  # live packed copies not on huge pages yet
 _steps_since_pack = 0
 
 _packed: dict[int, tuple] = {}
@@ -132,7 +132,7 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         dense = weight.detach().to(dtype).contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
     global _steps_since_pack
-    _unmoved.append(weakref.ref(packed))
+    _unmoved.add(packed)
     _steps_since_pack = 0
     return packed
 
@@ -145,10 +145,8 @@ def decode_step() -> None:
         return
     _steps_since_pack += 1
     if _steps_since_pack >= HUGE_PAGES_AFTER:
-        for ref in _unmoved:
-            packed = ref()
-            if packed is not None:
-                huge_pages(packed)
+        for packed in list(_unmoved):
+            huge_pages(packed)
         _unmoved.clear()
 
 
@@ -222,4 +220,3 @@ def drop() -> None:
     """Free every packed copy (an engine dropping its weight copies before an update)."""
     _packed.clear()
     _packed_bf16.clear()
-    _unmoved[:] = [ref for ref in _unmoved if ref() is not None]
