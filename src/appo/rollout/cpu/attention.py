@@ -152,18 +152,27 @@ def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # p
                0, buf.shape[3])
 
 
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits` (LLVM's `bitcast`, which vectorises;
+    numba has no scalar reinterpretation). Here, not in `atomics`: see `prefetch`."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
 @jit
-def _exp_nonpositive(x, n, bits):  # pragma: no cover - numba
+def _exp_nonpositive(x, n):  # pragma: no cover - numba
     # x[:n] = exp(x[:n]) for x <= 0, in a loop LLVM vectorises (numba's np.exp is a scalar
     # libm call per element, most of the kernel's time): Cephes' expf, range reduction
-    # x = k ln2 + r, a degree-6 polynomial in r, 2^k built in the exponent bits. ~1 ulp
-    # (torch's softmax uses Sleef's, also ~1 ulp). x below -87 counts as -87 (e^-87 ~
-    # 1.6e-38, nothing next to the block's largest term, e^0 = 1).
+    # x = k ln2 + r, a degree-6 polynomial in r, times 2^k built in the exponent bits
+    # (`f32_from_bits`: exact, k >= -126). ~1 ulp (torch's softmax uses Sleef's, also ~1
+    # ulp). x below -87 counts as -87 (e^-87 ~ 1.6e-38, nothing next to the block's
+    # largest term, e^0 = 1).
     if x.itemsize == 8:  # float64 (tests): numba's exact exp
         for j in range(n):
             x[j] = np.exp(x[j])
         return
-    scale2 = bits.view(np.float32)
     for j in range(n):
         v = max(x[j], np.float32(-87.0))
         k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
@@ -174,15 +183,12 @@ def _exp_nonpositive(x, n, bits):  # pragma: no cover - numba
         p = p * r + np.float32(4.1665795894e-2)
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
-        x[j] = p * r * r + r + np.float32(1.0)
-        bits[j] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    for j in range(n):
-        x[j] *= scale2[j]
+        x[j] = (p * r * r + r + np.float32(1.0)) * f32_from_bits(
+            (np.int32(k) + np.int32(127)) << np.int32(23))
 
 
 @jit
-def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc, nk, nv, nc,
-           nn):  # pragma: no cover
+def _block(qg, keys, values, c0, n, scale, sct, probs, m, s, acc, nk, nv, nc, nn):  # pragma: no cover
     # Online softmax over columns c0:c0+n for the G query heads `qg` [G, d] of one KV head
     # (grouped-query attention: each key and value read once for all G): running max
     # `m` [G, 1], sum `s` [G, 1] and unnormalised output `acc` [G, d], rescaled when the max
@@ -199,7 +205,7 @@ def _block(qg, keys, values, c0, n, scale, sct, probs, bits, m, s, acc, nk, nv, 
         alpha = np.exp(m[g, 0] - top)
         for j in range(n):
             p[j] -= top
-        _exp_nonpositive(p, n, bits)
+        _exp_nonpositive(p, n)
         total = s[g, 0] * alpha
         for j in range(n):
             total += p[j]
@@ -331,7 +337,6 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
     sct = np.empty((BLOCK, group), q.dtype)
     probs = np.empty((group, BLOCK), q.dtype)
     acc = np.empty((nq, d), q.dtype)
-    bits = np.empty(max(prefix, BLOCK), np.int32)
     m = np.empty((nq, 1), q.dtype)
     s = np.empty((nq, 1), q.dtype)
     for u in range(lo, hi):
@@ -354,7 +359,7 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
                     top = max(top, row[j])
                 for j in range(prefix):
                     row[j] -= top
-                _exp_nonpositive(row, prefix, bits)
+                _exp_nonpositive(row, prefix)
                 total = q.dtype.type(0.0)
                 for j in range(prefix):
                     total += row[j]
@@ -376,7 +381,7 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
                 nc = c0 - first[b] + first[nb]
                 nn = 0 if b + 1 >= r1 else max(0, min(BLOCK, last + 1 - nc))
                 _block(qa[q0:q1], keys, values, c0, min(BLOCK, last + 1 - c0), scale, sct,
-                       probs, bits, m[q0:q1], s[q0:q1], acc[q0:q1],
+                       probs, m[q0:q1], s[q0:q1], acc[q0:q1],
                        buf[layer, 0, nb, g].reshape(-1), buf[layer, 1, nb, g].reshape(-1),
                        nc, nn)
             for j in range(group):
@@ -440,12 +445,11 @@ def silu_mul(gate_up, out):  # pragma: no cover - numba
     # per element, in float64 for a float32 g): g / (1 + e) for g >= 0, g e / (1 + e) below.
     rows, width = out.shape
     e = np.empty(width, out.dtype)
-    bits = np.empty(width, np.int32)
     one = out.dtype.type(1.0)
     for b in range(rows):
         for i in range(width):
             e[i] = -abs(gate_up[b, i])
-        _exp_nonpositive(e, width, bits)
+        _exp_nonpositive(e, width)
         for i in range(width):
             g = gate_up[b, i]
             s = one / (one + e[i])
