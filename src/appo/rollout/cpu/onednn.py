@@ -195,6 +195,13 @@ def numpy_linear(x: np.ndarray, weight: Tensor, bias: Tensor | None = None) -> n
     return linear(torch.from_numpy(np.ascontiguousarray(x)), weight, bias).numpy()
 
 
+def linear_op():
+    """The op `numpy_linear` calls, `(x, packed, bias, "none", [None], "") -> y`, its
+    overload resolved once (for callers that call it ~100 times a step on arrays they made
+    themselves); None without oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise.default if available() else None
+
+
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)` `[..., K] -> [..., N]` for a float32 `x` on CPU, through
     oneDNN's bf16 kernels on `weight` packed as bfloat16 (see module docstring): float32
