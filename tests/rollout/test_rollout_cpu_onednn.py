@@ -273,3 +273,35 @@ def test_huge_pages_changes_no_result():
     assert torch.ops.mkldnn.data_ptr(packed) == start
     assert torch.equal(onednn.linear(x, packed, b), before)
     assert torch.equal(onednn.linear(x, w, b), before)
+
+
+def test_the_fused_step_calls_the_op_itself_with_the_same_bits(monkeypatch):
+    # Under oneDNN's rule the fused decode step skips `numpy_linear`'s checks and calls the
+    # packed linear op directly: every decode matmul goes through that op, and the tokens,
+    # log-probs and entropies are those of the `numpy_linear` path to the bit.
+    eng, tok = lean_engine()
+    if eng._lean.fused(torch.zeros((2, 1), dtype=torch.long)) is None:
+        pytest.skip("no fused decode step here (numba kernels unavailable)")
+    eng._lean.rule = ONEDNN_ONLY
+    real, calls = onednn.linear_op(), []
+
+    def counting():
+        def op(*args):
+            calls.append(1)
+            return real(*args)
+        return op
+
+    def run():
+        rows = [eng.add_row(tok.encode(f"Question {i}, about rivers?")) for i in range(3)]
+        outs = eng.decode(rows, 6, SamplingParams(temperature=1.0))
+        eng.release(rows)
+        return [(o.token_ids, o.logps, o.entropies) for o in outs]
+
+    eng.reseed(3)
+    monkeypatch.setattr(onednn, "linear_op", counting)
+    direct = run()
+    layers = len(eng._lean._layers)
+    assert len(calls) == 5 * 4 * layers  # 5 decode steps x 4 matmuls a layer
+    eng.reseed(3)
+    monkeypatch.setattr(onednn, "linear_op", lambda: None)  # back to `numpy_linear`
+    assert run() == direct
