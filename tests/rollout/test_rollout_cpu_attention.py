@@ -319,7 +319,7 @@ def test_attention_split_over_units_and_threads_is_bit_identical(k, rows):
     shared = torch.randn(2, kv_heads, prefix, hd, generator=gen).numpy()
     whole = np.empty((rows, heads, hd), np.float32)
     k.attend(q, buf, 1, start.numpy(), length, shared[0], shared[1], hd**-0.5, whole)
-    args = (q, buf, 1, start.numpy(), length, shared[0], k.transpose_values(shared[1]),
+    args = (q, buf, 1, start.numpy(), length, *k.pack_prefix(shared[0], shared[1]),
             hd**-0.5)
     n = k.units(rows, kv_heads)
     assert n == {5: 6, 19: 9}[rows]  # 5 rows: 2 blocks of up to 4 (3 of 8 are too few)
@@ -348,8 +348,8 @@ def test_rope_inside_the_attention_units_equals_rope_write_then_attention(k, row
                       else (np.empty(0, np.float32),) * 2)
     buf = gen.standard_normal((2, 2, rows, kv_heads, col + 4, hd), np.float32)
     first = gen.integers(0, 20, rows).astype(np.int64)
-    pk = gen.standard_normal((kv_heads, prefix, hd), np.float32)
-    pvt = k.transpose_values(gen.standard_normal((kv_heads, prefix, hd), np.float32))
+    pk, pvt = k.pack_prefix(gen.standard_normal((kv_heads, prefix, hd), np.float32),
+                            gen.standard_normal((kv_heads, prefix, hd), np.float32))
     rope = (qkv, cos, sin, q_norm, k_norm, 1e-6)
     want_buf, want_q = buf.copy(), np.empty((rows, heads, hd), np.float32)
     k.rope_write(*rope, want_buf, 1, col, want_q)

@@ -180,8 +180,8 @@ def _attention_case(rows: int, prefix: int, seed: int):
     first = rng.integers(0, 10, rows).astype(np.int64)
     pk = rng.standard_normal((kv_heads, prefix, d), dtype=np.float32)
     pv = rng.standard_normal((kv_heads, prefix, d), dtype=np.float32)
-    pvt = attention.transpose_values(pv)
-    return (q, buf, 1, first, 30, pk, pvt, 0.25), attention.units(rows, kv_heads)
+    return (q, buf, 1, first, 30, *attention.pack_prefix(pk, pv), 0.25), \
+        attention.units(rows, kv_heads)
 
 
 @pytest.mark.parametrize("rows,prefix", [(8, 0), (19, 0), (19, 37), (5, 12)])

@@ -14,19 +14,16 @@ is one kernel call on numpy views of the same memory:
   one KV head x `ROWS_PER_UNIT` rows, fewer where that makes under `MIN_UNITS` units):
   decode attention for one layer, one query per row.
   Grouped-query aware: the query heads of one key/value head are handled together. A
-  shared prefix (cascade) is two small register-blocked matmuls over every query of the
-  unit (`_dots`: scores, then probabilities x the prefix's values, transposed once per
-  decode call by `transpose_values`), so each prefix key and value is read once per unit;
-  each row's own columns follow as an online softmax over blocks of `BLOCK` columns
-  (flash-decoding) on top of the prefix's max, sum and output, the row's query heads of
-  one KV head together (`_block`: a block's keys and values read once for all of them,
-  its scores one `_dots`, probabilities x values four columns per pass over the output).
-  While a block is worked on, the same block of the unit's next row is prefetched
-  (`prefetch`, `llvm.prefetch`): a decode step's matmuls stream every weight through the
-  caches between two layers' attention, so the cache is cold by then, and at 32 rows a
-  layer's own columns are megabytes. Columns outside a row's
-  `[first, last]` are never read (no mask tensor: left padding and unwritten columns are
-  skipped, not multiplied by zero).
+  shared prefix (cascade) is two matmuls over every query of the unit (`tiles`: scores,
+  then probabilities x values, on the prefix packed once per decode call), so
+  each prefix key and value is read once per unit; each row's own columns follow as an
+  online softmax over blocks of `BLOCK` columns (flash-decoding) on top of the prefix's
+  max, sum and output, the row's query heads of one KV head together (`_block`: a block's
+  keys and values read once for all of them, its scores one `_dots`, probabilities x
+  values four columns per pass over the output). While a block is worked on, the same
+  block of the unit's next row is prefetched (`prefetch`): a decode step's matmuls stream
+  every weight through the caches between two layers' attention, so the cache is cold by
+  then. Columns outside a row's `[first, last]` are never read (no mask tensor).
 - `rms_norm`, `add_rms_norm` (the residual add fused with the next norm), `silu_mul`
   (SiLU(gate) x up).
 
@@ -45,6 +42,10 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from appo.rollout.cpu import panels, tiles
+from appo.rollout.cpu.cache import flush_stale
+from appo.rollout.cpu.tiles import pack_prefix, tiles_matmul
 
 BLOCK = 64  # columns per online-softmax block: a block of keys/values stays in L1
 # Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
@@ -290,19 +291,6 @@ def _dots(a, b, out):  # pragma: no cover - numba
 
 
 @jit
-def transpose_values(pv):  # pragma: no cover - numba
-    # [KV, P, d] -> [KV, d, P]: the shared prefix's values with the columns contiguous, so
-    # `probs @ values` is a `_dots` (made once per decode call, not per step).
-    kv_heads, prefix, d = pv.shape
-    out = np.empty((kv_heads, d, prefix), pv.dtype)
-    for g in range(kv_heads):
-        for j in range(prefix):
-            for i in range(d):
-                out[g, i, j] = pv[g, j, i]
-    return out
-
-
-@jit
 def rows_per_unit(rows, kv_heads):  # pragma: no cover - numba
     # ROWS_PER_UNIT, halved while that makes fewer than MIN_UNITS units (down to 2).
     per = ROWS_PER_UNIT
@@ -320,23 +308,23 @@ def units(rows: int, kv_heads: int) -> int:
 def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pragma: no cover
     # q [B, H, d] -> out [B, H, d] for the work units lo:hi: unit u is KV head
     # u // blocks and rows per * (u % blocks) onwards (per = `rows_per_unit`). Row b attends to the
-    # shared prefix pk [KV, P, d] / pvt [KV, d, P] (transposed values; P may be 0) and to
-    # its own columns first[b]..last of the buffer. Units share nothing and each computes
-    # its outputs the same way whatever else runs, so any split of the units over calls
-    # (threads) is bit-identical.
+    # shared prefix pk [KV, P', d] / pvt [KV, d', P] (`pack_prefix`'s panels; P may be 0)
+    # and to its own columns first[b]..last of the buffer. Units share nothing and each
+    # computes its outputs the same way whatever else runs, so any split of the units over
+    # calls (threads) is bit-identical.
     rows, heads, d = q.shape
     kv_heads = buf.shape[3]
     group = heads // kv_heads
-    prefix = pk.shape[1]
+    prefix, width, d_pad = pvt.shape[2], pk.shape[1], max(d, pvt.shape[1])
     per = rows_per_unit(rows, kv_heads)
     blocks = -(-rows // per)
     nq = per * group
     qa = np.empty((nq, d), q.dtype)
     # Scratch with contiguous rows (numba vectorises `_dots` only over C-layout slices).
-    ps = np.empty((nq, prefix), q.dtype)
+    ps = np.empty((nq, width), q.dtype)
     sct = np.empty((BLOCK, group), q.dtype)
     probs = np.empty((group, BLOCK), q.dtype)
-    acc = np.empty((nq, d), q.dtype)
+    acc = np.empty((nq, d_pad), q.dtype)
     m = np.empty((nq, 1), q.dtype)
     s = np.empty((nq, 1), q.dtype)
     for u in range(lo, hi):
@@ -349,7 +337,7 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
             for j in range(group):
                 qa[(b - r0) * group + j] = q[b, g * group + j]
         if prefix > 0:
-            _dots(qa[:n], pk[g], ps[:n])
+            tiles_matmul(qa, n, d, pk[g], ps, width)
             for qi in range(n):
                 row = ps[qi]
                 for j in range(prefix):
@@ -364,7 +352,7 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
                 for j in range(prefix):
                     total += row[j]
                 m[qi, 0], s[qi, 0] = top, total
-            _dots(ps[:n], pvt[g], acc[:n])
+            tiles_matmul(ps, n, prefix, pvt[g], acc, pvt.shape[1])
         else:
             m[:n] = -np.inf
             s[:n] = 0.0
@@ -410,12 +398,11 @@ def rope_attend_units(qkv, cos, sin, q_norm, k_norm, eps, q, buf, layer, first, 
     attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi)
 
 
-@jit
-def attend(q, buf, layer, first, last, pk, pv, scale, out):  # pragma: no cover - numba
-    # Every unit in one call.
-    rows, kv_heads = q.shape[0], buf.shape[3]
-    attend_units(q, buf, layer, first, last, pk, transpose_values(pv), scale, out, 0,
-                 kv_heads * -(-rows // rows_per_unit(rows, kv_heads)))
+def attend(q, buf, layer, first, last, pk, pv, scale, out) -> None:
+    """`attend_units` over every unit in one call, the shared prefix given as its keys and
+    values `[KV, P, d]`."""
+    attend_units(q, buf, layer, first, last, *pack_prefix(pk, pv), scale, out, 0,
+                 units(q.shape[0], buf.shape[3]))
 
 
 @jit
@@ -454,3 +441,10 @@ def silu_mul(gate_up, out):  # pragma: no cover - numba
             g = gate_up[b, i]
             s = one / (one + e[i])
             out[b, i] = g * (s if g >= 0 else e[i] * s) * gate_up[b, width + i]
+
+
+# The kernels embed `tiles`' matmul and `panels`' microkernel: numba's cache of them is
+# dropped when those files change too (it checks only this one).
+flush_stale((rope_write, _exp_nonpositive, _block, _dots, rows_per_unit, attend_units,
+             rope_attend_units, rms_norm, add_rms_norm, silu_mul),
+            (__file__, tiles.__file__, panels.__file__), "attention")

@@ -7,8 +7,8 @@ one split job (`attention.rope_attend_units`), residual add fused with the next 
 SiLU x up. What the torch path rebuilt in
 every layer is done once per step: rotary's cos/sin, the numpy views of the batch buffer
 and of the step's work arrays, each row's first visible column (instead of an additive
-mask). Once per decode call (per shared prefix): the prefix's values transposed for the
-attention kernel's matmul. The hidden state stays in one numpy array updated in place.
+mask). Once per decode call (per shared prefix): the prefix's keys and values in panels
+for the attention kernel's matmuls (`attention.pack_prefix`). The hidden state stays in one numpy array updated in place.
 Attention is split over the run's threads in work units (one KV head x a block of rows,
 `attention.units`), so both cores work even where the model has an odd number of KV
 heads; the units share nothing, so the split does not change a bit of the result.
@@ -49,16 +49,17 @@ class FusedStep:
         self.k = attention
         self.team = team
         self._norms: tuple | None = None
-        # (weak reference to the shared prefix's keys/values, its values transposed)
+        # (weak reference to the shared prefix's keys/values, their panels per layer)
         self._pvt: tuple | None = None
 
-    def _prefix_values(self, prefix_kv: Tensor, pkv: np.ndarray) -> list[np.ndarray]:
-        """Per layer, the shared prefix's values transposed (`[KV, d, P]`), made once per
-        shared prefix (one per decode call) and dropped with it."""
+    def _prefix_panels(self, prefix_kv: Tensor, pkv: np.ndarray) -> list[tuple]:
+        """Per layer, the shared prefix's keys and values in the attention's panels
+        (`attention.pack_prefix`), made once per shared prefix (one per decode call) and
+        dropped with it."""
         cached = self._pvt
         if cached is not None and cached[0]() is prefix_kv:
             return cached[1]
-        pvt = [self.k.transpose_values(pkv[layer, 1]) for layer in range(pkv.shape[0])]
+        pvt = [self.k.pack_prefix(pkv[layer, 0], pkv[layer, 1]) for layer in range(pkv.shape[0])]
 
         def drop(ref: weakref.ref) -> None:  # the prefix is gone: free its copy too
             if self._pvt is not None and self._pvt[0] is ref:
@@ -108,7 +109,7 @@ class FusedStep:
             pkv, pvt, first = None, None, start
         else:
             pkv, first = prefix_kv.numpy(), start + prefix_kv.shape[3]
-            pvt = self._prefix_values(prefix_kv, pkv)
+            pvt = self._prefix_panels(prefix_kv, pkv)
         first_np = first.numpy().astype(np.int64)
         empty_kv = np.empty((lean.kv_heads, 0, hd), np.float32)
         empty_kv_t = np.empty((lean.kv_heads, hd, 0), np.float32)
@@ -144,7 +145,7 @@ class FusedStep:
         for idx, lw in enumerate(lean._layers):
             in_norm, post_norm, q_norm, k_norm = norms[idx]
             qkv = linear(x, x_t, lw.qkv, lw.qkv_bias)
-            pk, pv = (empty_kv, empty_kv_t) if pkv is None else (pkv[idx, 0], pvt[idx])
+            pk, pv = (empty_kv, empty_kv_t) if pkv is None else pvt[idx]
             # Rotary + cache write inside the attention's units: split over the threads too.
             self.team.attend((q, buf, idx, first_np, col, pk, pv, lean.scale, att3), units,
                              threads, (qkv, cos_np, sin_np, q_norm, k_norm, eps))

@@ -42,8 +42,11 @@ _VEC = 8
 MAX_ROWS = 6  # rows per microkernel call: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
 
 
-def _microkernel(rows: int):
-    """The intrinsic `out[r, 0:16] = sum_k x[r, k] * panel[k, 0:16]` for `rows` rows."""
+def _microkernel(rows: int, lanes: int = _VEC):
+    """The intrinsic `out[r, 0:W] = sum_k x[r, k] * panel[k, 0:W]` for `rows` rows, W = 2 x
+    `lanes` (`<lanes x float>` vectors: 8 here; the attention's shared prefix uses 16 where
+    the CPU has AVX-512)."""
+    width = 2 * lanes
 
     @intrinsic
     def micro(typingctx, x_addr, x_stride, w_addr, out_addr, out_stride, k_len):
@@ -54,12 +57,12 @@ def _microkernel(rows: int):
         def codegen(context, builder, sig, args):
             xa, xs, wa, oa, os_, kl = args
             f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-            vec = ir.VectorType(f32, _VEC)
+            vec = ir.VectorType(f32, lanes)
             fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32")
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
             xp, wp, op = (builder.inttoptr(a, f32.as_pointer()) for a in (xa, wa, oa))
             undef = ir.Constant(vec, ir.Undefined)
-            splat = ir.Constant(ir.VectorType(i32, _VEC), [0] * _VEC)
+            splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
             entry = builder.block
             loop = builder.append_basic_block("panel_k")
             done = builder.append_basic_block("panel_done")
@@ -67,9 +70,9 @@ def _microkernel(rows: int):
             builder.position_at_end(loop)
             k = builder.phi(i64)
             accs = [[builder.phi(vec) for _ in range(2)] for _ in range(rows)]
-            base = builder.mul(k, ir.Constant(i64, PANEL))
+            base = builder.mul(k, ir.Constant(i64, width))
             w = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(
-                base, ir.Constant(i64, v * _VEC))]), vec.as_pointer()), align=4)
+                base, ir.Constant(i64, v * lanes))]), vec.as_pointer()), align=4)
                 for v in range(2)]
             new = []
             for r in range(rows):
@@ -83,14 +86,14 @@ def _microkernel(rows: int):
             k.add_incoming(k1, loop)
             for r in range(rows):
                 for v in range(2):
-                    accs[r][v].add_incoming(ir.Constant(vec, [0.0] * _VEC), entry)
+                    accs[r][v].add_incoming(ir.Constant(vec, [0.0] * lanes), entry)
                     accs[r][v].add_incoming(new[r][v], loop)
             builder.cbranch(builder.icmp_signed("<", k1, kl), loop, done)
             builder.position_at_end(done)
             for r in range(rows):
                 for v in range(2):
                     at = builder.add(builder.mul(ir.Constant(i64, r), os_),
-                                     ir.Constant(i64, v * _VEC))
+                                     ir.Constant(i64, v * lanes))
                     builder.store(new[r][v], builder.bitcast(builder.gep(op, [at]),
                                                              vec.as_pointer()), align=4)
             return context.get_dummy_value()

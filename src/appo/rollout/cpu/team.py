@@ -40,16 +40,14 @@ team's helper instead of the OpenMP pool; rollouts are the same either way.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
-from pathlib import Path
 
 import numba
 import numpy as np
 from numba import types
 
-from appo.rollout.cpu import atomics, attention, kernels, omp, panels, sampling, split
+from appo.rollout.cpu import atomics, attention, kernels, omp, panels, sampling, split, tiles
 from appo.rollout.cpu.atomics import (
     bool_at,
     compare_exchange,
@@ -64,6 +62,7 @@ from appo.rollout.cpu.atomics import (
     sched_yield,
     store,
 )
+from appo.rollout.cpu.cache import flush_stale
 
 # torch's GOMP_parallel (or a one-thread stand-in) linked into the jobs below: registered
 # before any of them is compiled or loaded from numba's cache.
@@ -112,7 +111,7 @@ def _chunk(ctl, fctl, kind, lo, hi):  # pragma: no cover - numba
                                                  ctl[f + 9], ctl[f + 10], ctl[f + 11]))
         first = numba.carray(i64_at(ctl[f + 12]), (ctl[f + 1],))
         pk = numba.carray(f32_at(ctl[f + 13]), (ctl[f + 14], ctl[f + 15], ctl[f + 16]))
-        pvt = numba.carray(f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 16], ctl[f + 15]))
+        pvt = numba.carray(f32_at(ctl[f + 17]), (ctl[f + 14], ctl[f + 27], ctl[f + 28]))
         if ctl[f + 18] == 0:
             attention.attend_units(q, buf, ctl[LAYER], first, ctl[LAST], pk, pvt, fctl[0],
                                    out, lo, hi)
@@ -275,7 +274,7 @@ def _attention(ctl, fctl, bounds, helpers, omp_threads, body, q, buf, layer, fir
         ctl[f + 6 + i] = buf.shape[i]
     ctl[f + 12], ctl[f + 13] = first.ctypes.data, pk.ctypes.data
     ctl[f + 14], ctl[f + 15], ctl[f + 16] = pk.shape[0], pk.shape[1], pk.shape[2]
-    ctl[f + 17] = pvt.ctypes.data
+    ctl[f + 17], ctl[f + 27], ctl[f + 28] = pvt.ctypes.data, pvt.shape[1], pvt.shape[2]
     _go(ctl, fctl, tag, bounds.size - 1, omp_threads, body)
 
 
@@ -302,23 +301,12 @@ JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _go, _matmul, _at
 
 
 def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
-                                         panels.__file__, sampling.__file__,
+                                         tiles.__file__, panels.__file__, sampling.__file__,
                                          atomics.__file__)) -> bool:
-    """numba's cache checks only the defining file (this one), but the job functions
-    embed the kernels of `kernels.py`, `attention.py`, `panels.py` and `sampling.py` and
-    the intrinsics of `atomics.py`: their cached code is dropped (True) when those files
-    differ from the stamp kept beside the cache (`_omp_cfunc` drops the OpenMP body's)."""
-    try:
-        stamp = hashlib.sha256(b"".join(Path(p).read_bytes() for p in sources)).hexdigest()
-        stamp_file = Path(jobs[0]._cache._cache_path) / "team.depends"
-        if stamp_file.exists() and stamp_file.read_text() == stamp:
-            return False
-        for job in jobs:
-            job._cache.flush()
-        stamp_file.write_text(stamp)
-        return True
-    except (AttributeError, OSError):  # a numba without these internals, or no cache dir
-        return False
+    """The jobs embed the kernels of `kernels.py`, `attention.py`, `tiles.py`, `panels.py`
+    and `sampling.py` and the intrinsics of `atomics.py`: `cache.flush_stale` over those
+    files (`_omp_cfunc` drops the OpenMP body's)."""
+    return flush_stale(jobs, sources, "team")
 
 
 def _omp_cfunc(stale: bool):
