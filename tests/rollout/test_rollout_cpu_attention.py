@@ -164,6 +164,38 @@ def test_float32_attend_is_float64_attention_to_float32_rounding(k, rows, prefix
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 80), (16, 2, 128),
+                                               (4, 4, 24), (12, 3, 32)])
+@pytest.mark.parametrize("prefix", [0, 40])
+def test_float32_attend_over_many_blocks_and_head_shapes(k, heads, kv_heads, hd, prefix):
+    # Rows of up to ~2.5 blocks of own columns (the online softmax rescaling across
+    # blocks), query groups of 1-8 heads and head sizes of whole and part vectors: float32
+    # through `vec`'s kernels where the head size is whole vectors, else through `_block`.
+    rows, length = 5, prefix + 2 * k.BLOCK + 40
+    gen = torch.Generator().manual_seed(heads * hd + prefix)
+    start = torch.randint(0, 2 * k.BLOCK, (rows,), generator=gen)
+    start[0] = 0  # one row with the longest own part
+    buf, clean = batch_buffer(gen, 1, rows, kv_heads, length + 2, hd, start + prefix, length)
+    shared = torch.randn(1, 2, kv_heads, prefix, hd, generator=gen, dtype=torch.float64)
+    q = torch.randn(rows, heads, 1, hd, generator=gen, dtype=torch.float64) * 3
+    buf, clean, shared, q = (t.float().double() for t in (buf, clean, shared, q))
+    lean = reference(heads, kv_heads, hd)
+    own = start + prefix
+    keys, values = clean[0, 0, :, :, : length + 1], clean[0, 1, :, :, : length + 1]
+    if prefix:
+        lo = int(own.min())
+        ref = lean._cascade_attention(q, keys, values,
+                                      SharedPrefix(shared, lo, additive_mask(own, length)[..., lo:]),
+                                      0)
+    else:
+        ref = lean._decode_attention(q, keys, values, additive_mask(own, length))
+    out = np.empty((rows, heads, hd), np.float32)
+    k.attend(q[:, :, 0].float().numpy().copy(), buf.float().numpy(), 0, own.numpy(), length,
+             shared[0, 0].float().numpy(), shared[0, 1].float().numpy(), hd**-0.5, out)
+    torch.testing.assert_close(torch.from_numpy(out).double(), ref[:, :, 0], rtol=1e-5,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
 @pytest.mark.parametrize("norms", [False, True], ids=["llama", "qwen3-qk-norm"])
 def test_rope_write_equals_rotary_and_cache_update(k, heads, kv_heads, hd, norms):

@@ -18,12 +18,15 @@ is one kernel call on numpy views of the same memory:
   then probabilities x values, on the prefix packed once per decode call), so
   each prefix key and value is read once per unit; each row's own columns follow as an
   online softmax over blocks of `BLOCK` columns (flash-decoding) on top of the prefix's
-  max, sum and output, the row's query heads of one KV head together (`_block`: a block's
-  keys and values read once for all of them, its scores one `_dots`, probabilities x
-  values four columns per pass over the output). While a block is worked on, the same
-  block of the unit's next row is prefetched (`prefetch`): a decode step's matmuls stream
-  every weight through the caches between two layers' attention, so the cache is cold by
-  then. Columns outside a row's `[first, last]` are never read (no mask tensor).
+  max, sum and output, the row's query heads of one KV head together, a block's keys and
+  values read once for all of them. In float32 with whole vectors per head (`_block_f32`)
+  the scores run `vec.LANES` keys at a time and the probabilities x values keep the output
+  in registers (`vec.qk`, `vec.pv_acc`); otherwise (float64 in the tests, odd head sizes)
+  `_block`: the scores one `_dots`, probabilities x values four columns per pass. While a
+  block is worked on, the same block of the unit's next row is prefetched (`prefetch`): a
+  decode step's matmuls stream every weight through the caches between two layers'
+  attention, so the cache is cold by then. Columns outside a row's `[first, last]` are
+  never read (no mask tensor).
 - `rms_norm`, `add_rms_norm` (the residual add fused with the next norm), `silu_mul`
   (SiLU(gate) x up).
 
@@ -36,54 +39,35 @@ path.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from appo.rollout.cpu import panels, tiles
+from appo.rollout.cpu import panels, tiles, vec
 from appo.rollout.cpu.cache import flush_stale
 from appo.rollout.cpu.tiles import pack_prefix, tiles_matmul
+from appo.rollout.cpu.vec import (
+    LANES,
+    _exp_nonpositive,
+    exp_nonpositive,
+    jit,
+    prefetch,
+    pv_acc,
+    qk,
+)
 
-BLOCK = 64  # columns per online-softmax block: a block of keys/values stays in L1
+# Columns per online-softmax block: each block rescales the running output once (128 ran
+# faster than 64 with `vec`'s kernels; a block's keys are read 4 KB at a time either way).
+BLOCK = 128
 # Rows per work unit of `attend_units` (with one KV head): enough queries for the shared
 # prefix's matmuls, few enough that a 2-core split has units to balance at 8+ rows.
 ROWS_PER_UNIT = 8
 # Fewer units than this (3 KV heads at 8 rows: 3 units, so one of 2 threads does two) and
 # the rows per unit are halved, down to 2 (`rows_per_unit`).
 MIN_UNITS = 4
-# Reassociation and contraction only: `attend` starts each running max at -inf.
-FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
-
-
-@intrinsic
-def prefetch(typingctx, arr, idx):
-    """A hint to bring the cache line holding `arr[idx]` (a 1-D array) into the caches (LLVM's
-    `llvm.prefetch`: a read, into L2 and outer levels): no result, never a fault, nothing
-    where the target has no prefetch instruction. Here, not in `atomics`: numba's on-disk
-    cache of a kernel checks only its own file."""
-    def codegen(context, builder, sig, args):
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-            ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        ptr = cgutils.get_item_pointer(context, builder, sig.args[0],
-                                       context.make_array(sig.args[0])(context, builder,
-                                                                       args[0]), [args[1]])
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 1),
-                          ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.void(arr, idx), codegen
 
 
 # Module-level kernels (numba resolves the helpers they call as globals, so the on-disk
-# cache finds them again in a new process; closures' captured helpers defeat it).
-# `error_model="numpy"`: a float division is IEEE's (inf/NaN on zero). Python's model
-# (numba's default) checks every divisor for zero, which keeps a loop with a division
-# from vectorising: SiLU's loop ran ~4x slower.
-jit = numba.njit(fastmath=FAST, boundscheck=False, nogil=True, cache=True,
-                 error_model="numpy")
+# cache finds them again in a new process; closures' captured helpers defeat it); `jit`:
+# `vec.jit` (fastmath without the no-NaN/no-Inf assumptions, numpy's division).
 
 
 @jit
@@ -153,41 +137,6 @@ def rope_write(qkv, cos, sin, q_norm, k_norm, eps, buf, layer, col, q_out):  # p
                0, buf.shape[3])
 
 
-@intrinsic
-def f32_from_bits(typingctx, bits):
-    """The float32 whose bit pattern is the int32 `bits` (LLVM's `bitcast`, which vectorises;
-    numba has no scalar reinterpretation). Here, not in `atomics`: see `prefetch`."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
-@jit
-def _exp_nonpositive(x, n):  # pragma: no cover - numba
-    # x[:n] = exp(x[:n]) for x <= 0, in a loop LLVM vectorises (numba's np.exp is a scalar
-    # libm call per element, most of the kernel's time): Cephes' expf, range reduction
-    # x = k ln2 + r, a degree-6 polynomial in r, times 2^k built in the exponent bits
-    # (`f32_from_bits`: exact, k >= -126). ~1 ulp (torch's softmax uses Sleef's, also ~1
-    # ulp). x below -87 counts as -87 (e^-87 ~ 1.6e-38, nothing next to the block's
-    # largest term, e^0 = 1).
-    if x.itemsize == 8:  # float64 (tests): numba's exact exp
-        for j in range(n):
-            x[j] = np.exp(x[j])
-        return
-    for j in range(n):
-        v = max(x[j], np.float32(-87.0))
-        k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
-        r = v - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        x[j] = (p * r * r + r + np.float32(1.0)) * f32_from_bits(
-            (np.int32(k) + np.int32(127)) << np.int32(23))
-
-
 @jit
 def _block(qg, keys, values, c0, n, scale, sct, probs, m, s, acc, nk, nv, nc, nn):  # pragma: no cover
     # Online softmax over columns c0:c0+n for the G query heads `qg` [G, d] of one KV head
@@ -239,6 +188,51 @@ def _block(qg, keys, values, c0, n, scale, sct, probs, m, s, acc, nk, nv, nc, nn
             pj = probs[g, j]
             for i in range(d):
                 acc[g, i] += pj * v[i]
+
+
+@jit
+def _block_f32(qg, keys, values, c0, n, scale, probs, kpad, m, s, acc, nk, nv, nc,
+               nn):  # pragma: no cover - numba
+    # `_block` for float32 with d a multiple of `vec.LANES`, on `vec`'s microkernels: the
+    # scores `LANES` keys at a time (`qk`; a last partial group through `kpad` [LANES, d],
+    # zero-padded), then the probabilities times the values with the output in registers
+    # (`pv_acc`). The next row's block (`nk` / `nv`, columns nc:nc+nn) is prefetched: its
+    # keys beside the scores of the same columns, its values inside `pv_acc`.
+    groups, d = qg.shape
+    pst = probs.shape[1]
+    nw = n - n % LANES
+    qa, pa, ka = qg.ctypes.data, probs.ctypes.data, keys.ctypes.data + c0 * d * 4
+    plo, phi = nc * d, (nc + nn) * d
+    for j in range(0, n, LANES):
+        for i in range(plo + j * d, min(plo + (j + LANES) * d, phi), 16):
+            prefetch(nk, i)
+        src = ka + j * d * 4
+        if j >= nw:
+            kpad[: n - nw] = keys[c0 + nw : c0 + n]
+            kpad[n - nw :] = 0.0
+            src = kpad.ctypes.data
+        for g in range(groups):
+            qk(qa + g * d * 4, src, pa + (g * pst + j) * 4, d)
+    for g in range(groups):
+        p = probs[g]
+        top = m[g, 0]
+        for j in range(n):
+            p[j] *= scale
+            top = max(top, p[j])
+        alpha = exp_nonpositive(m[g, 0] - top)
+        for j in range(n):
+            p[j] -= top
+        _exp_nonpositive(p, n)
+        total = s[g, 0] * alpha
+        for j in range(n):
+            total += p[j]
+        for i in range(d):
+            acc[g, i] *= alpha
+        m[g, 0] = top
+        s[g, 0] = total
+    va = values.ctypes.data + c0 * d * 4
+    pv_acc(pa, pst, va, d, acc.ctypes.data, acc.strides[0] // 4, groups, n,
+           nv.ctypes.data + nc * d * 4 if nn > 0 else va)
 
 
 @jit
@@ -325,6 +319,9 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
     sct = np.empty((BLOCK, group), q.dtype)
     probs = np.empty((group, BLOCK), q.dtype)
     acc = np.empty((nq, d_pad), q.dtype)
+    kpad = np.empty((LANES, d), q.dtype)
+    # float32 heads of whole vectors take `vec`'s microkernels (`_block_f32`).
+    f32 = q.itemsize == 4 and d % LANES == 0
     m = np.empty((nq, 1), q.dtype)
     s = np.empty((nq, 1), q.dtype)
     for u in range(lo, hi):
@@ -368,10 +365,14 @@ def attend_units(q, buf, layer, first, last, pk, pvt, scale, out, lo, hi):  # pr
                 nb = min(b + 1, r1 - 1)
                 nc = c0 - first[b] + first[nb]
                 nn = 0 if b + 1 >= r1 else max(0, min(BLOCK, last + 1 - nc))
-                _block(qa[q0:q1], keys, values, c0, min(BLOCK, last + 1 - c0), scale, sct,
-                       probs, m[q0:q1], s[q0:q1], acc[q0:q1],
-                       buf[layer, 0, nb, g].reshape(-1), buf[layer, 1, nb, g].reshape(-1),
-                       nc, nn)
+                cols = min(BLOCK, last + 1 - c0)
+                nk, nv = buf[layer, 0, nb, g].reshape(-1), buf[layer, 1, nb, g].reshape(-1)
+                if f32:
+                    _block_f32(qa[q0:q1], keys, values, c0, cols, scale, probs, kpad,
+                               m[q0:q1], s[q0:q1], acc[q0:q1], nk, nv, nc, nn)
+                else:
+                    _block(qa[q0:q1], keys, values, c0, cols, scale, sct, probs, m[q0:q1],
+                           s[q0:q1], acc[q0:q1], nk, nv, nc, nn)
             for j in range(group):
                 qi = q0 + j
                 inv = 1.0 / s[qi, 0]
@@ -443,8 +444,8 @@ def silu_mul(gate_up, out):  # pragma: no cover - numba
             out[b, i] = g * (s if g >= 0 else e[i] * s) * gate_up[b, width + i]
 
 
-# The kernels embed `tiles`' matmul and `panels`' microkernel: numba's cache of them is
+# The kernels embed `tiles`' matmul, `panels`' and `vec`'s microkernels: numba's cache of them is
 # dropped when those files change too (it checks only this one).
-flush_stale((rope_write, _exp_nonpositive, _block, _dots, rows_per_unit, attend_units,
+flush_stale((rope_write, _block, _block_f32, _dots, rows_per_unit, attend_units,
              rope_attend_units, rms_norm, add_rms_norm, silu_mul),
-            (__file__, tiles.__file__, panels.__file__), "attention")
+            (__file__, tiles.__file__, panels.__file__, vec.__file__), "attention")

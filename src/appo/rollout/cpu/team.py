@@ -47,7 +47,17 @@ import numba
 import numpy as np
 from numba import types
 
-from appo.rollout.cpu import atomics, attention, kernels, omp, panels, sampling, split, tiles
+from appo.rollout.cpu import (
+    atomics,
+    attention,
+    kernels,
+    omp,
+    panels,
+    sampling,
+    split,
+    tiles,
+    vec,
+)
 from appo.rollout.cpu.atomics import (
     bool_at,
     compare_exchange,
@@ -300,7 +310,7 @@ JOBS = (_chunk, _stall, _take_chunks, _serve, _publish, _lead, _go, _matmul, _at
         _sampling)
 
 
-def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__,
+def drop_stale_cache(jobs=JOBS, sources=(kernels.__file__, attention.__file__, vec.__file__,
                                          tiles.__file__, panels.__file__, sampling.__file__,
                                          atomics.__file__)) -> bool:
     """The jobs embed the kernels of `kernels.py`, `attention.py`, `tiles.py`, `panels.py`
