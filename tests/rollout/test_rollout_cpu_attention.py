@@ -136,13 +136,11 @@ def test_the_float32_exp_is_within_a_few_ulp_of_float64(k):
     assert np.all(tiny < 2e-38) and np.all(tiny >= 0)  # beyond float32's normal range: ~0
 
 
-@pytest.mark.parametrize("rows,prefix", [(3, 0), (8, 70)])
-def test_float32_attend_is_float64_attention_to_float32_rounding(k, rows, prefix):
-    # The engine's dtype: the same kernel in float32 (polynomial exp, float32 sums) against
-    # the float64 torch reference on the same (float32-representable) inputs.
-    heads, kv_heads, hd, length = 9, 3, 64, prefix + 45
-    gen = torch.Generator().manual_seed(rows + prefix)
-    start = torch.randint(0, 20, (rows,), generator=gen)
+def assert_float32_attend_is_the_reference(k, gen, start, heads, kv_heads, hd, prefix,
+                                           length):
+    """float32 `attend` on random (float32-representable) inputs against the float64 torch
+    reference: rows own columns `start + prefix`..`length`, after `prefix` shared ones."""
+    rows = len(start)
     buf, clean = batch_buffer(gen, 1, rows, kv_heads, length + 2, hd, start + prefix, length)
     shared = torch.randn(1, 2, kv_heads, prefix, hd, generator=gen, dtype=torch.float64)
     q = torch.randn(rows, heads, 1, hd, generator=gen, dtype=torch.float64) * 3
@@ -162,6 +160,16 @@ def test_float32_attend_is_float64_attention_to_float32_rounding(k, rows, prefix
              shared[0, 0].float().numpy(), shared[0, 1].float().numpy(), hd**-0.5, out)
     torch.testing.assert_close(torch.from_numpy(out).double(), ref[:, :, 0], rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,prefix", [(3, 0), (8, 70)])
+def test_float32_attend_is_float64_attention_to_float32_rounding(k, rows, prefix):
+    # The engine's dtype: the same kernel in float32 (polynomial exp, float32 sums) against
+    # the float64 torch reference on the same (float32-representable) inputs.
+    heads, kv_heads, hd, length = 9, 3, 64, prefix + 45
+    gen = torch.Generator().manual_seed(rows + prefix)
+    start = torch.randint(0, 20, (rows,), generator=gen)
+    assert_float32_attend_is_the_reference(k, gen, start, heads, kv_heads, hd, prefix, length)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", [(9, 3, 64), (8, 1, 80), (16, 2, 128),
@@ -175,25 +183,7 @@ def test_float32_attend_over_many_blocks_and_head_shapes(k, heads, kv_heads, hd,
     gen = torch.Generator().manual_seed(heads * hd + prefix)
     start = torch.randint(0, 2 * k.BLOCK, (rows,), generator=gen)
     start[0] = 0  # one row with the longest own part
-    buf, clean = batch_buffer(gen, 1, rows, kv_heads, length + 2, hd, start + prefix, length)
-    shared = torch.randn(1, 2, kv_heads, prefix, hd, generator=gen, dtype=torch.float64)
-    q = torch.randn(rows, heads, 1, hd, generator=gen, dtype=torch.float64) * 3
-    buf, clean, shared, q = (t.float().double() for t in (buf, clean, shared, q))
-    lean = reference(heads, kv_heads, hd)
-    own = start + prefix
-    keys, values = clean[0, 0, :, :, : length + 1], clean[0, 1, :, :, : length + 1]
-    if prefix:
-        lo = int(own.min())
-        ref = lean._cascade_attention(q, keys, values,
-                                      SharedPrefix(shared, lo, additive_mask(own, length)[..., lo:]),
-                                      0)
-    else:
-        ref = lean._decode_attention(q, keys, values, additive_mask(own, length))
-    out = np.empty((rows, heads, hd), np.float32)
-    k.attend(q[:, :, 0].float().numpy().copy(), buf.float().numpy(), 0, own.numpy(), length,
-             shared[0, 0].float().numpy(), shared[0, 1].float().numpy(), hd**-0.5, out)
-    torch.testing.assert_close(torch.from_numpy(out).double(), ref[:, :, 0], rtol=1e-5,
-                               atol=1e-5)
+    assert_float32_attend_is_the_reference(k, gen, start, heads, kv_heads, hd, prefix, length)
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd", SHAPES)
