@@ -12,6 +12,7 @@ distribution at a much tighter tolerance than the torch path's float32 results a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,3 +262,34 @@ def test_engine_rollout_is_the_same_with_the_kernel(monkeypatch, params):
         for x, y in ((a.entropies, b.entropies), (a.topk_entropies, b.topk_entropies)):
             torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=ENT_RTOL,
                                        atol=ENT_ATOL)
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("order", ["random", "rising", "ties"])
+def test_first_pass_keeps_the_largest_values_as_an_element_loop(cs, vocab, order):
+    # Blocks of the first pass skip the heap where no value beats its least; the heap and
+    # the max must be what pushing element by element gives, rising values (a push at
+    # every element) and ties included.
+    rng = np.random.default_rng(vocab)
+    x = {"random": rng.standard_normal(vocab), "rising": np.arange(vocab) * 0.5,
+         "ties": rng.integers(0, 4, vocab)}[order].astype(np.float32)
+    z, heap = np.empty(vocab, np.float32), np.empty(min(20, vocab), np.float32)
+    m = cs._scan_row(x, cs._NO_SEEN[0], False, np.float32(1), np.float32(0.7), z, heap)
+    want = x / np.float32(0.7)
+    assert z.tobytes() == want.tobytes()
+    assert m == want.max()
+    assert sorted(heap.tolist()) == sorted(want.tolist())[-heap.shape[0]:]
+
+
+def test_the_draw_finds_its_block_then_its_token(cs):
+    # z: a row's float32 probabilities (unnormalised); sums: its blocks' sums.
+    width = 4
+    z = np.array([0.5, 0, 1, 0, 0, 0, 0, 0, 2, 0.25, 0, 0], np.float32)
+    sums = np.array([1.5, 0.0, 2.25])
+    assert [cs._draw_row(z, u, sums, width) for u in (0.0, 0.49, 0.5, 1.49, 1.5, 3.4, 3.5,
+                                                       3.74)] == [0, 0, 2, 2, 8, 8, 9, 9]
+    # A block's sum a rounding above its walk: the walk ends short of u, and the draw is
+    # the block's last kept token, never a zero-probability one.
+    assert cs._draw_row(z, 1.5, np.array([1.5 + 1e-9, 0.0, 2.25]), width) == 2
+    # u at the total (a uniform within rounding of 1): the row's last kept token.
+    assert cs._draw_row(z, 3.75, sums, width) == 9

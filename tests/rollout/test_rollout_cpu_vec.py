@@ -129,3 +129,26 @@ def test_both_vector_widths_compute_the_same_sums(v, lanes):
     assert np.all(np.abs(out - want) <= 4 * d * eps * (np.abs(keys) @ np.abs(q)))
     want = p.astype(np.float64) @ values.astype(np.float64)
     assert np.all(np.abs(acc - want) <= 4 * n * eps * (np.abs(p) @ np.abs(values)))
+
+
+@pytest.mark.parametrize("n", [0, 32, 64, 2048])
+def test_lane_sums_add_each_column_in_order(n):
+    import numba
+
+    from appo.rollout.cpu import vec
+
+    @numba.njit
+    def sums(a, b, out):
+        vec.lane_sums(a.ctypes.data, b.ctypes.data, a.shape[0], out.ctypes.data)
+
+    rng = np.random.default_rng(n)
+    a, b = rng.standard_normal(n), rng.standard_normal(n) * 1e6
+    start = rng.standard_normal(2 * vec.SUM_WIDTH)
+    out = start.copy()
+    sums(a, b, out)
+    want = start.copy()  # the naive loop: column c's elements added one by one, in order
+    for i in range(n):
+        c = i % vec.SUM_WIDTH
+        want[c] += a[i]
+        want[vec.SUM_WIDTH + c] += b[i]
+    assert out.tobytes() == want.tobytes()

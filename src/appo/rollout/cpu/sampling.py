@@ -4,20 +4,25 @@ The torch path dispatches dozens of op calls per decode step over `[B, V]` (pena
 temperature, masks, log-softmax, exp, float64 cumsum, searchsorted, gather, two entropies,
 top-k), most of them a pass over the vocabulary (counts: `benchmarks/engines_profile.py`,
 figures in `benchmarks/RESULTS.md`). Here one kernel call (plus the uniforms' `torch.rand`)
-does a row in two passes over its `V` logits plus a partial third, and with top-p
+does a row in two passes over its `V` logits plus a block of a third, and with top-p
 a sort of the values top-k kept (all of them without top-k, as the torch path sorts).
 Rows are work units split over the run's threads (`appo.rollout.cpu.split`); they share
 nothing, so the split changes no bit:
 
 1. `z = penalty(x) / temperature` (float32 division, as torch's), kept in a scratch row;
-   the row's max; the largest `max(top_k, TOPK_ENTROPY_K)` values in a small min-heap.
+   the largest `max(top_k, TOPK_ENTROPY_K)` values in a small min-heap (its largest is the
+   row's max). Without a penalty the row goes in blocks of `SCAN_BLOCK`: `z` and a count
+   of values above the heap's least in one vectorised loop, the heap pushes only in blocks
+   that have one (the heap ends as element by element).
    Top-k keeps `z >= kth largest` (ties at the k-th value kept, as `logits < kth` masks).
    Top-p keeps `z >= t`, `t` found by sorting the still-kept values ascending and applying
    transformers' rule (drop the tail whose cumulative mass, float64 sums of float32
    probabilities as torch's cumsum, is `<= 1 - top_p`; the best token always stays). So
    both masks are one lower bound `lo` on `z`.
 2. `e = float32(exp(z - max))` for kept tokens (0 for the others), stored; `S = sum e` and
-   `A = sum e (z - max)` in float64. The float64 exp is a polynomial LLVM vectorises
+   `A = sum e (z - max)` in float64, per block of `EXP_BLOCK` logits in `SUM_WIDTH`
+   interleaved partial sums (`vec.lane_sums`, vectorised; the same order on every vector
+   width) added pairwise, then the blocks' sums in order (kept: the draw's index). The float64 exp is a polynomial LLVM vectorises
    (`_exp_block`, over blocks of `EXP_BLOCK` logits), within ~1e-14 of libm's, so `e`
    rounds to the same float32 but in the rarest cases. Then `log Z = max + log S`, the entropy
    `H = log S - A / S` (`-sum p log p` with `p = e / S`), the chosen token's log-prob
@@ -26,6 +31,9 @@ nothing, so the split changes no bit:
    generator, float64)` call, so the generator's stream is unchanged), and the first token
    whose float64 running sum of `e` exceeds `r * S`: the torch path's inverse CDF
    (`searchsorted(cdf, r * cdf[-1], right=True)`) on the same distribution, scaled by `S`.
+   The running sum goes over the blocks' sums to the block where it passes `r * S`, then
+   token by token inside it (where rounding leaves that walk short: the block's last kept
+   token; at `r * S = S`: the row's last kept token, where torch clamps to the last id).
 
 Greedy (`temperature <= 0`): the first argmax of the penalised logits, log-prob and both
 entropies 0 (as torch's point mass gives, -0.0 included), no uniform drawn.
@@ -54,7 +62,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import split
+from appo.rollout.cpu import split, vec
+from appo.rollout.cpu.cache import flush_stale
+from appo.rollout.cpu.vec import SUM_WIDTH, lane_sums
 from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 
 # Reassociation would let LLVM reorder the float64 sums, so the draw's running sum and `S`
@@ -62,6 +72,8 @@ from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
 jit = numba.njit(fastmath=False, boundscheck=False, nogil=True, cache=True)
 _NO_SEEN = np.zeros((1, 0), np.bool_)  # no penalty: a row of nothing
 EXP_BLOCK = 2048  # logits per exp block: its float64 scratch (16 KB) stays in L1
+SCAN_BLOCK = 64  # logits per block of the first pass (`_scan_row`)
+EXP_WORK = 2 * EXP_BLOCK + 2 * SUM_WIDTH  # a row's float64 work space before its blocks' sums
 _C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double,
             torch.bool: ctypes.c_bool}
 
@@ -169,63 +181,109 @@ def _argmax_row(x, seen_row, use_seen, pen):  # pragma: no cover - numba
 
 @jit
 def _scan_row(x, seen_row, use_seen, pen, temp, z, heap):  # pragma: no cover - numba
-    # Pass 1: z = transform(x), its max, the largest values in `heap`. Two loops, with and
-    # without the penalty: one loop testing `use_seen` per element ran ~15x slower.
+    # Pass 1: z = transform(x) and the largest values in `heap`; returns the max (the
+    # heap's largest: it holds the row's top values). Without a penalty, blocks of
+    # SCAN_BLOCK: z and a count of values above the heap's least in one loop LLVM
+    # vectorises; only a block with such a value is walked again, pushing as the
+    # element-wise loop did (the least only rises, so a block with no value above it at
+    # its start had none to push). The heap ends the same as element by element.
     heap[:] = -np.inf
-    m = np.float32(-np.inf)
+    vocab = x.shape[0]
     if use_seen:
-        for i in range(x.shape[0]):
+        for i in range(vocab):
             v = _transform(x, seen_row, True, pen, temp, i)
             z[i] = v
-            if v > m:
-                m = v
             if v > heap[0]:
                 _heap_push(heap, v)
-        return m
-    for i in range(x.shape[0]):
-        v = x[i] / temp  # `_transform` without a penalty
-        z[i] = v
-        if v > m:
-            m = v
-        if v > heap[0]:
-            _heap_push(heap, v)
-    return m
+        return heap.max()
+    for b0 in range(0, vocab, SCAN_BLOCK):
+        # Slices, not `x[b0 + i]`: LLVM vectorised the loop over a slice, not over an
+        # offset range (~6x slower).
+        xs, zs = x[b0 : b0 + SCAN_BLOCK], z[b0 : b0 + SCAN_BLOCK]
+        least = heap[0]
+        above = 0
+        for i in range(xs.shape[0]):
+            v = xs[i] / temp  # `_transform` without a penalty
+            zs[i] = v
+            above += v > least
+        if above:
+            for i in range(zs.shape[0]):
+                if zs[i] > heap[0]:
+                    _heap_push(heap, zs[i])
+    return heap.max()
 
 
 @jit
-def _exp_row(z, lo, mf, block):  # pragma: no cover - numba
-    # Pass 2: z <- float32(exp(z - max)) where kept (z >= lo), else 0; returns (S, A).
-    vocab = z.shape[0]
+def _exp_row(z, lo, mf, block, terms, sums, partial):  # pragma: no cover - numba
+    # Pass 2: z <- float32(exp(z - max)) where kept (z >= lo), else 0; returns (S, A) and
+    # each block's sum of e in `sums` (the draw's index). A block's e and its entropy terms
+    # are summed in SUM_WIDTH interleaved float64 partial sums (`lane_sums`: the same
+    # order whatever the vector width), added as a balanced tree (`_tree`); S and A are
+    # the blocks' sums added in order.
     width = block.shape[0]
     s = 0.0
     a = 0.0
-    for b0 in range(0, vocab, width):
-        n = min(width, vocab - b0)
+    for b in range(sums.shape[0]):
+        zs = z[b * width : (b + 1) * width]
+        n = zs.shape[0]
         for j in range(n):  # a loop LLVM vectorises, exp included (`_exp_block`)
-            block[j] = np.float64(z[b0 + j]) - mf
+            block[j] = np.float64(zs[j]) - mf
         _exp_block(block, n)
-        for j in range(n):  # the sums in order, as before the blocks
-            i = b0 + j
-            v = z[i]
-            if v >= lo and v > -np.inf:
-                e = np.float32(block[j])
-                z[i] = e
-                s += e
-                a += e * (np.float64(v) - mf)
-            else:
-                z[i] = 0.0
+        for j in range(n):
+            v = zs[j]
+            keep = v >= lo and v > -np.inf
+            e = np.float32(block[j]) if keep else np.float32(0.0)
+            zs[j] = e
+            block[j] = e
+            terms[j] = e * (np.float64(v) - mf) if keep else 0.0
+        padded = -(-n // SUM_WIDTH) * SUM_WIDTH
+        block[n:padded] = 0.0
+        terms[n:padded] = 0.0
+        partial[:] = 0.0
+        lane_sums(block.ctypes.data, terms.ctypes.data, padded, partial.ctypes.data)
+        bs = _tree(partial[:SUM_WIDTH])
+        sums[b] = bs
+        s += bs
+        a += _tree(partial[SUM_WIDTH:])
     return s, a
 
 
 @jit
-def _draw_row(z, u):  # pragma: no cover - numba
-    # Pass 3 (partial): the inverse CDF, the first token whose running sum exceeds u.
+def _tree(p):  # pragma: no cover - numba
+    # p's values (a power of two of them) added pairwise, neighbours first.
+    n = p.shape[0]
+    t = p.copy()
+    while n > 1:
+        n //= 2
+        for i in range(n):
+            t[i] = t[2 * i] + t[2 * i + 1]
+    return t[0]
+
+
+@jit
+def _draw_row(z, u, sums, width):  # pragma: no cover - numba
+    # Pass 3 (partial): the inverse CDF. The block whose sum takes the running sum (of the
+    # blocks' sums, in order: S's own sum) past u, then the first token in it whose running
+    # sum exceeds u. Rounding can leave that walk short of u (its sums run in another order
+    # than the block's): then the block's last kept token.
     cum = 0.0
-    for i in range(z.shape[0]):
-        cum += z[i]
-        if cum > u:
+    vocab = z.shape[0]
+    for b in range(sums.shape[0]):
+        if cum + sums[b] > u:
+            last = -1
+            for i in range(b * width, min((b + 1) * width, vocab)):
+                if z[i] > 0:
+                    last = i
+                cum += z[i]
+                if cum > u:
+                    return i
+            if last >= 0:
+                return last
+        cum += sums[b]
+    for i in range(vocab - 1, -1, -1):  # u at S (r within rounding of 1): the last kept
+        if z[i] > 0:
             return i
-    return z.shape[0] - 1  # as the torch path's clamp when rounding leaves u past the end
+    return vocab - 1
 
 
 @jit
@@ -233,8 +291,9 @@ def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scra
                 exps, ids, logp, ent, ent_top, lo_row, hi_row):  # pragma: no cover - numba
     """Rows `lo_row:hi_row` of `logits` `[B, V]` float32 -> `ids`, `logp`, `ent`, `ent_top`
     `[B]`. `seen` `[B, V]` bool (or `[1, 0]`: no penalty), `uniforms` `[B]` float64,
-    `scratch` `[B, V]` float32, `heaps` `[B, H]` float32 and `exps` `[B, W]` float64 work
-    space (`H` = `max(top_k, TOPK_ENTROPY_K)` clipped to `V`; `W` = `EXP_BLOCK`).
+    `scratch` `[B, V]` float32, `heaps` `[B, H]` float32 and `exps` `[B, EXP_WORK + ceil(V / W)]`
+    float64 work space (`H` = `max(top_k, TOPK_ENTROPY_K)` clipped to `V`; `W` =
+    `EXP_BLOCK`: the exp block, its entropy terms, the partial sums, the blocks' sums).
     `temperature <= 0`: greedy. Each pass over the vocabulary is its own function: in
     one function body, numba/LLVM compiled the passes' loops ~15x slower."""
     vocab = logits.shape[1]
@@ -258,7 +317,10 @@ def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scra
         if top_p < 1.0:
             lo = max(lo, _top_p_bound(z, lo, thr, x.copy()))
         mf = np.float64(m)
-        s, a = _exp_row(z, lo, mf, exps[r])
+        work = exps[r]
+        sums = work[2 * EXP_BLOCK + 2 * SUM_WIDTH :]
+        s, a = _exp_row(z, lo, mf, work[:EXP_BLOCK], work[EXP_BLOCK : 2 * EXP_BLOCK], sums,
+                        work[2 * EXP_BLOCK : 2 * EXP_BLOCK + 2 * SUM_WIDTH])
         log_s = np.log(s)
         log_z = mf + log_s
         ent[r] = log_s - a / s
@@ -270,7 +332,7 @@ def sample_rows(logits, seen, penalty, temperature, top_k, top_p, uniforms, scra
                 if p > 0:
                     h_top -= p * lp
         ent_top[r] = h_top
-        chosen = _draw_row(z, uniforms[r] * s)
+        chosen = _draw_row(z, uniforms[r] * s, sums, EXP_BLOCK)
         ids[r] = chosen
         v = _transform(x, seen_row, use_seen, pen, temp, chosen)
         logp[r] = np.float64(v) - log_z if v >= lo else -np.inf
@@ -301,7 +363,7 @@ def sample_numpy(logits: Tensor, params: SamplingParams, generator: torch.Genera
     width = min(max(k if 0 < k < vocab else 0, TOPK_ENTROPY_K), vocab)
     scratch = np.empty((0, vocab) if greedy else (rows, vocab), np.float32)
     heaps = np.empty((rows, width), np.float32)
-    exps = np.empty((0, EXP_BLOCK) if greedy else (rows, EXP_BLOCK))
+    exps = np.empty((0, 0) if greedy else (rows, EXP_WORK + -(-vocab // EXP_BLOCK)))
     ids = np.empty(rows, np.int64)
     logp, ent, ent_top = (np.empty(rows, np.float32) for _ in range(3))
     args = (x, s, float(params.repetition_penalty), float(params.temperature), k,
@@ -316,3 +378,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
            seen: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`sample_numpy` as tensors `[B]`: the signature of `appo.rollout.sampling.sample`."""
     return tuple(torch.from_numpy(a) for a in sample_numpy(logits, params, generator, seen))
+
+
+# `_exp_row` (and `sample_rows`, which calls it) embed `vec.lane_sums`.
+flush_stale((_exp_row, sample_rows), (__file__, vec.__file__), "sampling")

@@ -1,6 +1,7 @@
 """Float32 vector pieces of the CPU decode attention (`appo.rollout.cpu.attention`), in numba
 and LLVM IR: a prefetch hint, a bit reinterpretation, a vectorised exp, and the two
-microkernels a row's own columns run on.
+microkernels a row's own columns run on; and `lane_sums`, the float64 column sums of the
+sampling kernel (`appo.rollout.cpu.sampling`).
 
 A row's own keys and values (`[columns, d]`, each row contiguous) are read once per decode
 step and never reused, so each score should cost a few multiply-adds, not a horizontal sum:
@@ -299,3 +300,63 @@ def pv_acc(pa, ps, va, d, aa, ast, groups, n, pfa):  # pragma: no cover - numba
         for g0 in range(0, groups, PV_GROUPS):
             _pv_tile(min(PV_GROUPS, groups - g0), nv, pa + g0 * ps * 4, ps, va + d0 * 4, d,
                      aa + (g0 * ast + d0) * 4, ast, n, pfa + d0 * 4)
+
+
+# `lane_sums`: 4 vectors of 8 float64 per input, whatever the target's vector width (AVX2
+# splits each into two), so the partial sums are the same on every machine.
+SUM_VECTORS = 4
+SUM_LANES = 8
+SUM_WIDTH = SUM_VECTORS * SUM_LANES
+
+
+@intrinsic
+def lane_sums(typingctx, a_addr, b_addr, n, out_addr):
+    """out[c] += sum_i a[i * SUM_WIDTH + c] and out[SUM_WIDTH + c] += sum_i b[i * SUM_WIDTH
+    + c] for c < SUM_WIDTH: each in order over i, the SUM_WIDTH columns side by side in
+    vectors (float64 addresses as int64, `n` a multiple of SUM_WIDTH). The sampling
+    kernel's sums of a block's probabilities and entropy terms."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        aa, ba, nl, oa = args
+        i64 = ir.IntType(64)
+        f64 = ir.DoubleType()
+        vec = ir.VectorType(f64, SUM_LANES)
+        ap, bp, op = (builder.inttoptr(x, f64.as_pointer()) for x in (aa, ba, oa))
+
+        def load(base, index):
+            return builder.load(builder.bitcast(builder.gep(base, [index]), vec.as_pointer()),
+                                align=8)
+
+        at = [ir.Constant(i64, k * SUM_LANES) for k in range(2 * SUM_VECTORS)]
+        init = [load(op, at[k]) for k in range(2 * SUM_VECTORS)]
+        entry = builder.block
+        loop = builder.append_basic_block("sums_loop")
+        done = builder.append_basic_block("sums_done")
+        builder.cbranch(builder.icmp_signed(">", nl, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        accs = [builder.phi(vec) for _ in range(2 * SUM_VECTORS)]
+        new = []
+        for k in range(2 * SUM_VECTORS):
+            base = ap if k < SUM_VECTORS else bp
+            off = builder.add(i, ir.Constant(i64, (k % SUM_VECTORS) * SUM_LANES))
+            new.append(builder.fadd(accs[k], load(base, off)))
+        i1 = builder.add(i, ir.Constant(i64, SUM_WIDTH))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i1, loop)
+        for k in range(2 * SUM_VECTORS):
+            accs[k].add_incoming(init[k], entry)
+            accs[k].add_incoming(new[k], loop)
+        builder.cbranch(builder.icmp_signed("<", i1, nl), loop, done)
+        builder.position_at_end(done)
+        outs = [builder.phi(vec) for _ in range(2 * SUM_VECTORS)]
+        for k, out in enumerate(outs):
+            out.add_incoming(init[k], entry)
+            out.add_incoming(new[k], loop)
+        for k, out in enumerate(outs):
+            builder.store(out, builder.bitcast(builder.gep(op, [at[k]]), vec.as_pointer()),
+                          align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
