@@ -208,7 +208,9 @@ def test_engine_decode_is_bit_identical_with_split_kernels(name, monkeypatch,
     assert chunk_counts and max(chunk_counts) == 1
     chunk_counts.clear()
     three = run(3)
-    assert max(chunk_counts) > 3  # the decode steps' matmuls were split
+    # The decode steps' matmuls were split over all three threads (the tiny model's
+    # matrices are a few `split.ALIGN` blocks wide: a chunk or two per thread).
+    assert max(chunk_counts) >= 3
     assert three == one  # same tokens, same log-probs and entropies, to the bit
 
 

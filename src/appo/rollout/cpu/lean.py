@@ -204,10 +204,28 @@ class LeanDecoder:
         return {frozenset({"torch_onednn"}): torch.float32,
                 frozenset({"onednn_bf16"}): torch.bfloat16}.get(frozenset(names))
 
+    def _panels_only(self) -> bool:
+        """Whether every forward of this decoder multiplies through the panel kernel (the
+        rule's one implementation at every row count and for prefill): the concatenated
+        QKV and gate/up are then kept as panels alone (`panels.pack_tensor`)."""
+        names = {name for _, name in self.rule.steps} | {self.rule.prefill}
+        return (names == {"numba_panel"} and self.cpu_kernel and self.dtype == torch.float32
+                and next(self.model.parameters()).device.type == "cpu")
+
     def _pack(self) -> None:
         layers = []
         dtype = self._onednn_only()
-        packed = (lambda w: w) if dtype is None else (lambda w: onednn.pack(w, dtype))
+        if dtype is not None:
+            def packed(w):
+                return onednn.pack(w, dtype)
+        elif self._panels_only():
+            from appo.rollout.cpu import panels  # imports numba: only with the kernels
+
+            def packed(w):
+                return panels.pack_tensor(w) if panels.fits(w) else w
+        else:
+            def packed(w):
+                return w
         for layer in self.base.layers:
             att, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(att, "q_norm", None)
@@ -267,8 +285,16 @@ class LeanDecoder:
         """The weights a decode step multiplies, in order: every layer's packed QKV, O,
         packed gate/up and down, then the LM head (when it is a plain `nn.Linear`)."""
         self.refresh()
-        out = [w.to_dense() if w.layout == torch._mkldnn else w
-               for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        def dense(w):
+            if w.layout == torch._mkldnn:
+                return w.to_dense()
+            if self.cpu_kernel:
+                from appo.rollout.cpu import panels
+
+                return panels.dense(w)
+            return w
+
+        out = [dense(w) for lw in self._layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         head = self.model.lm_head
         return out + ([head.weight.detach()] if type(head) is torch.nn.Linear else [])
 

@@ -199,13 +199,13 @@ class MatmulRule:
 # better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
 # width.
 RULES: dict[str, MatmulRule] = {
-    # AMD EPYC Zen 5 (2026-11-28): oneDNN on packed weights at every row count (1.14-1.29x
-    # the wide kernel at 8-64 rows, 1 and 2 threads). The panel kernel led at 1-2 rows by
-    # ~10 %, but a second packed copy of every weight beside oneDNN's cost the demo 0.3 GB
-    # of peak memory. On a Zen 4, before the panel kernel and oneDNN: the row kernel up to
-    # 7 rows, the wide one from 8. Prefill too: oneDNN ran the step's projections at 16-512
-    # rows 2.2-2.3x faster than MKL, whose kernels stay on AVX2 on AMD CPUs (Zen 5).
-    "amd-avx512": MatmulRule(MatmulRule.parse("torch_onednn").steps, prefill="torch_onednn"),
+    # AMD EPYC Zen 5 (2026-11-29): the panel kernel at AVX-512 width (32-column panels, 8
+    # rows, its weight stream prefetched) at every row count and for prefill: 1.10-1.27x
+    # oneDNN on packed weights at 1-256 rows, 2 threads (oneDNN was 1.14-1.29x the wide
+    # kernel before). One packed copy of every weight, as oneDNN's was (the lean decoder
+    # keeps QKV and gate/up as panels only). On a Zen 4, before the panel kernel and
+    # oneDNN: the row kernel up to 7 rows, the wide one from 8.
+    "amd-avx512": MatmulRule(MatmulRule.parse("numba_panel").steps, prefill="numba_panel"),
     # AMD EPYC Zen 3: the panel kernel at every row count (faster than the row and tile
     # kernels it replaced at 1-32 rows, 1 and 2 threads; MKL's threaded GEMM at 16-32 rows
     # was slower still, and far slower on a busy machine).

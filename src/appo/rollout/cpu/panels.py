@@ -3,14 +3,18 @@
 The kernels of `appo.rollout.cpu.kernels` dot each weight row with the input rows: LLVM
 vectorises the `K` loop, so every output ends in a horizontal sum, and each multiply-add
 needs its own load of an input vector (7 loads per 12 multiply-adds in the tile kernel).
-Here the weights are packed once into panels of `PANEL` = 16 output columns, `[N / 16, K,
-16]` (k-major inside a panel, so a panel is one contiguous stream), and the microkernel
-keeps a block of up to 6 input rows x 16 columns in 12 vector accumulators: per `k` it
-loads the panel's two 8-float vectors, broadcasts each row's `x[m, k]` and does 12 fused
-multiply-adds (8 loads per 12), with no horizontal sum (the BLIS / GotoBLAS layout). The
-microkernel is written in LLVM IR (a numba intrinsic per row count 1-6: `<8 x float>`
-vectors and `llvm.fma`), so its accumulators stay in registers whatever LLVM's vectoriser
-would have made of scalar code; it needs 15 of AVX2's 16 vector registers.
+Here the weights are packed once into panels of `PANEL` output columns (two vectors: 16 on
+AVX2, 32 where LLVM targets AVX-512), `[N / PANEL, K, PANEL]` (k-major inside a panel, so a
+panel is one contiguous stream), and the microkernel keeps a block of up to `MAX_ROWS`
+input rows x `PANEL` columns in vector accumulators: per `k` it loads the panel's two
+vectors, broadcasts each row's `x[m, k]` and does two fused multiply-adds per row, with
+no horizontal sum (the BLIS / GotoBLAS layout). On AVX2: 6 rows, 12 accumulators, 15 of
+its 16 vector registers. On AVX-512: 16-float vectors and 8 rows (16 accumulators of 32
+registers), and the panel stream is prefetched `PREFETCH` bytes ahead: at a few rows a
+decode step's matmuls read the weights and little else, and the hardware prefetcher
+alone left the memory bus partly idle. The microkernel is written in LLVM IR (a numba
+intrinsic per row count: `<LANES x float>` vectors and `llvm.fma`), so its accumulators
+stay in registers whatever LLVM's vectoriser would have made of scalar code.
 
 Exactness: each output is one chain of float32 fused multiply-adds over `k = 0..K-1` from
 0, whatever the row block, panel or thread computed it: results are bit-identical for any
@@ -19,13 +23,14 @@ the other kernels' sums (summation order, as any GEMM).
 
 `packed(weight)` makes the packed copy (cached per weight tensor, repacked when its storage
 or version counter changes, freed with the tensor or by `drop()`); `N` must be a multiple
-of 16 (`fits`), other matrices take the tile kernel. Which row counts use it is the decode
+of `PANEL` (`fits`), other matrices take the tile kernel. Which row counts use it is the decode
 rule's choice (`appo.rollout.cpu.matmuls`, implementation `numba_panel`); timings in
 `benchmarks/RESULTS.md` ("CPU rollout").
 """
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 import torch
@@ -37,15 +42,22 @@ from torch import Tensor
 
 from appo.rollout.cpu.cache import per_tensor
 
-PANEL = 16  # output columns per panel: two 8-float vectors
-_VEC = 8
-MAX_ROWS = 6  # rows per microkernel call: 6 x 2 accumulators + 2 weight vectors + 1 broadcast
+# Vector width: 16 floats where LLVM targets AVX-512 (32 vector registers), else 8 (AVX2's 16).
+LANES = 16 if llvm_binding.get_host_cpu_features().get("avx512f") else 8
+PANEL = 2 * LANES  # output columns per panel: two vectors
+# Rows per microkernel call: rows x 2 accumulators + 2 weight vectors + 1 broadcast registers.
+MAX_ROWS = 8 if LANES == 16 else 6
+# How far ahead of its loads the AVX-512 microkernel prefetches its panel stream (bytes: 48
+# steps of k). Measured on a Zen 5: one decode step's matmuls at 8 rows ran ~15 % faster
+# with it (benchmarks/HISTORY.md, "the panel kernel at AVX-512 width"); not measured on AVX2.
+PREFETCH = 48 * PANEL * 4 if LANES == 16 else 0
 
 
-def _microkernel(rows: int, lanes: int = _VEC):
+def _microkernel(rows: int, lanes: int = LANES, prefetch: int = 0):
     """The intrinsic `out[r, 0:W] = sum_k x[r, k] * panel[k, 0:W]` for `rows` rows, W = 2 x
-    `lanes` (`<lanes x float>` vectors: 8 here; the attention's shared prefix uses 16 where
-    the CPU has AVX-512)."""
+    `lanes` (`<lanes x float>` vectors). `prefetch` > 0: each step of k also prefetches
+    the panel's lines `prefetch` bytes ahead of its loads (past the panel's end: the next
+    panel's, which the caller reads next)."""
     width = 2 * lanes
 
     @intrinsic
@@ -71,6 +83,11 @@ def _microkernel(rows: int, lanes: int = _VEC):
             k = builder.phi(i64)
             accs = [[builder.phi(vec) for _ in range(2)] for _ in range(rows)]
             base = builder.mul(k, ir.Constant(i64, width))
+            if prefetch:
+                ahead = builder.add(wa, builder.mul(base, ir.Constant(i64, 4)))
+                for line in range(0, width * 4, 64):
+                    prefetch_line(builder, builder.inttoptr(builder.add(
+                        ahead, ir.Constant(i64, prefetch + line)), ir.IntType(8).as_pointer()))
             w = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(
                 base, ir.Constant(i64, v * lanes))]), vec.as_pointer()), align=4)
                 for v in range(2)]
@@ -103,15 +120,26 @@ def _microkernel(rows: int, lanes: int = _VEC):
     return micro
 
 
-_M1, _M2, _M3, _M4, _M5, _M6 = (_microkernel(r) for r in range(1, MAX_ROWS + 1))
+def prefetch_line(builder, address) -> None:
+    """`llvm.prefetch` of the line holding `address` (an i8*): a read, into L2 and outer."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+    builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+
+
+# Rows 7 and 8 only run where MAX_ROWS is 8 (AVX-512).
+_M1, _M2, _M3, _M4, _M5, _M6, _M7, _M8 = (_microkernel(r, LANES, PREFETCH)
+                                          for r in range(1, 9))
 
 
 def build():
     @numba.njit(boundscheck=False, nogil=True, cache=True)
     def panels_times_rows(x, wp, out, lo, hi):  # pragma: no cover - compiled by numba
         # Output columns lo:hi (multiples of PANEL); `wp` `[N, K]` holds the panels
-        # `[N / 16, K, 16]` (`pack`). Rows in balanced blocks of at most 6: 8 rows run as
-        # 4 + 4 (8 accumulators each keep both FMA units busy), not 6 + 2.
+        # `[N / PANEL, K, PANEL]` (`pack`). Rows in balanced blocks of at most MAX_ROWS:
+        # on AVX2 8 rows run as 4 + 4 (8 accumulators each keep both FMA units busy), not
+        # 6 + 2.
         m_rows, k_len = x.shape
         if m_rows == 0 or k_len == 0:
             out[:, lo:hi] = 0.0
@@ -127,7 +155,11 @@ def build():
                 r = size + (1 if b < extra else 0)
                 xo = xa + m0 * k_len * 4
                 oo = oa + (m0 * n_cols + p * PANEL) * 4
-                if r == 6:
+                if r == 8:
+                    _M8(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 7:
+                    _M7(xo, k_len, pa, oo, n_cols, k_len)
+                elif r == 6:
                     _M6(xo, k_len, pa, oo, n_cols, k_len)
                 elif r == 5:
                     _M5(xo, k_len, pa, oo, n_cols, k_len)
@@ -151,7 +183,7 @@ def fits(weight: Tensor) -> bool:
 
 
 def pack(weight: np.ndarray) -> np.ndarray:
-    """`[N, K]` -> the same-shape array holding `[N / 16, K, 16]` panels."""
+    """`[N, K]` -> the same-shape array holding `[N / PANEL, K, PANEL]` panels."""
     n, k = weight.shape
     panels = np.empty((n // PANEL, k, PANEL), weight.dtype)
     panels[:] = weight.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
@@ -159,11 +191,39 @@ def pack(weight: np.ndarray) -> np.ndarray:
 
 
 _packed: dict[int, tuple] = {}  # `cache.per_tensor`'s entries
+_MARK = "_appo_panels"  # set on tensors whose memory holds panels (`pack_tensor`)
+
+
+def pack_tensor(weight: Tensor) -> Tensor:
+    """`weight` `[N, K]` (`fits`) as a new tensor of the same shape whose memory holds its
+    panels (`pack`), which `packed` hands over as they are: for a caller that keeps the
+    packed copy instead of a dense one (the lean decoder's concatenated QKV and gate/up
+    where every forward runs on the panel kernel). Only the panel kernel may read it as a
+    weight; `dense` gives the matrix back."""
+    out = torch.from_numpy(pack(weight.detach().contiguous().numpy()))
+    setattr(out, _MARK, True)
+    return out
+
+
+def is_packed(weight: Tensor) -> bool:
+    """Whether `weight` was made by `pack_tensor`."""
+    return getattr(weight, _MARK, False)
+
+
+def dense(weight: Tensor) -> Tensor:
+    """The `[N, K]` matrix of a `pack_tensor` result (any other tensor: itself)."""
+    if not is_packed(weight):
+        return weight
+    n, k = weight.shape
+    return weight.reshape(n // PANEL, k, PANEL).transpose(1, 2).reshape(n, k)
 
 
 def packed(weight: Tensor) -> np.ndarray:
     """`weight`'s packed copy, made on first use and whenever the tensor's storage or
-    version counter (an in-place update: optimizer step, weight sync) has changed."""
+    version counter (an in-place update: optimizer step, weight sync) has changed; a
+    `pack_tensor` result is its own."""
+    if is_packed(weight):
+        return weight.numpy()
     # Inference-mode tensors (the lean decoder's packed QKV and gate/up copies) keep no
     # version counter; they are remade, not updated, when a weight changes.
     version = -1 if weight.is_inference() else weight._version

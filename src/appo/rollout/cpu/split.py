@@ -16,7 +16,7 @@ all columns, so every output keeps its summation order: results are bit-identica
 thread count, chunking or timing (rollouts stay deterministic per seed).
 
 Chunks start at multiples of `ALIGN` weight rows (a multiple of every kernel's block
-height: 8 for the wide kernel, 3 for the tile kernel, 16 for the panel kernel). A
+height: 8 for the wide kernel, 3 for the tile kernel, 16 or 32 for the panel kernel). A
 matrix under `SPLIT_MIN_BYTES` of weights is not split; larger ones get up to
 `CHUNKS_PER_THREAD` chunks per thread, none under `CHUNK_MIN_BYTES`. The helpers are
 rebuilt in a forked child (threads do not survive a fork); a second Python thread calling
@@ -36,7 +36,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-ALIGN = 48
+ALIGN = 96
 # Below these the wake-up of a helper (tens of microseconds) and the per-chunk dispatch
 # cost more than the second core gains; measured with benchmarks/decode_kernel.py.
 SPLIT_MIN_BYTES = 256 * 1024

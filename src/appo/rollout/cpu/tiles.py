@@ -14,14 +14,13 @@ any split of the rows gives the same bits.
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 
 from appo.rollout.cpu import panels
 from appo.rollout.cpu.cache import flush_stale
 
-TILE_LANES = 16 if llvm_binding.get_host_cpu_features().get("avx512f") else 8
+TILE_LANES = panels.LANES
 TILE = 2 * TILE_LANES  # columns per panel
 _T1, _T2, _T3, _T4, _T5, _T6 = (panels._microkernel(r, TILE_LANES) for r in range(1, 7))
 

@@ -31,6 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from appo.rollout.cpu.panels import prefetch_line as _prefetch_line
 from appo.rollout.cpu.tiles import TILE_LANES
 
 LANES = TILE_LANES
@@ -43,14 +44,6 @@ FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
 # from vectorising: SiLU's loop ran ~4x slower.
 jit = numba.njit(fastmath=FAST, boundscheck=False, nogil=True, cache=True,
                  error_model="numpy")
-
-
-def _prefetch_line(builder, address) -> None:
-    """`llvm.prefetch` of the line holding `address` (an i8*): a read, into L2 and outer."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-        ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-    builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
 
 
 @intrinsic
