@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from onednn_cases import lean_engine
 from onednn_cases import random_linear as _case
 
-from appo.rollout.cpu import onednn
+from appo.rollout.cpu import hugepages, onednn
 from appo.rollout.cpu.matmuls import IMPLEMENTATIONS, MatmulRule
 from appo.rollout.sampling import SamplingParams
 
@@ -158,7 +158,6 @@ def test_dropping_the_weight_copies_frees_the_packed_qkv_and_gate_up():
     # cached norm views included) may keep the lean decoder's packed layers alive through
     # it: on SmolLM2 they were 0.27 GB of the demo's peak, in the update.
     import gc
-    import weakref
 
     from appo.rollout.cpu import kernels
 
@@ -185,7 +184,7 @@ def _recording_madvise(monkeypatch, result: int = 0) -> list[tuple[int, int, int
         calls.append((addr, length, advice))
         return result
 
-    monkeypatch.setattr(onednn, "_madvise", lambda: madvise)
+    monkeypatch.setattr(hugepages, "_madvise", lambda: madvise)
     return calls
 
 
@@ -196,11 +195,13 @@ def test_huge_pages_advises_whole_2mb_pages_around_the_packed_bytes(monkeypatch)
     start = torch.ops.mkldnn.data_ptr(packed)
     end = start + torch.ops.mkldnn._nbytes(packed)
     assert onednn.huge_pages(packed) is True  # the fake's MADV_COLLAPSE succeeded
-    assert [advice for _, _, advice in calls] == [onednn.MADV_HUGEPAGE, onednn.MADV_COLLAPSE]
+    assert [advice for _, _, advice in calls] == [hugepages.MADV_HUGEPAGE,
+                                                 hugepages.MADV_COLLAPSE]
     (lo, length, _), again = calls[0], calls[1]
     assert again[:2] == (lo, length)  # both advices over the same range
-    assert lo % onednn.HUGE_PAGE == 0 and length % onednn.HUGE_PAGE == 0
-    assert lo <= start < lo + onednn.HUGE_PAGE and end <= lo + length < end + onednn.HUGE_PAGE
+    assert lo % hugepages.HUGE_PAGE == 0 and length % hugepages.HUGE_PAGE == 0
+    assert lo <= start < lo + hugepages.HUGE_PAGE
+    assert end <= lo + length < end + hugepages.HUGE_PAGE
     assert not onednn.huge_pages(torch.randn(4, 4))  # a dense tensor: nothing to advise
     assert len(calls) == 2
 
@@ -211,45 +212,45 @@ def test_huge_pages_failures_and_the_switch(monkeypatch):
     assert len(calls) == 2
     monkeypatch.undo()
     monkeypatch.setenv("APPO_CPU_HUGE_PAGES", "0")
-    onednn._madvise.cache_clear()
+    hugepages._madvise.cache_clear()
     try:
-        assert onednn._madvise() is None
+        assert hugepages._madvise() is None
         assert onednn.huge_pages(onednn.pack(torch.randn(64, 64))) is False
     finally:
         monkeypatch.undo()
-        onednn._madvise.cache_clear()
+        hugepages._madvise.cache_clear()
 
 
 def test_packed_copies_move_after_serving_enough_decode_steps(monkeypatch):
     # Rent or buy: the copies made since the last packing move once they have served
     # HUGE_PAGES_AFTER decode steps, each once; a new packing restarts the count.
     calls = _recording_madvise(monkeypatch)
-    monkeypatch.setattr(onednn, "HUGE_PAGES_AFTER", 3)
-    monkeypatch.setattr(onednn, "_unmoved", weakref.WeakSet())
+    monkeypatch.setattr(hugepages, "HUGE_PAGES_AFTER", 3)
+    monkeypatch.setattr(hugepages, "_unmoved", {})
     a, b = onednn.pack(torch.randn(64, 64)), onednn.pack(torch.randn(32, 64))
     gone = onednn.pack(torch.randn(16, 64))
     del gone  # freed before the move: skipped
     moved = lambda: {c[0] for c in calls}  # noqa: E731 - the ranges advised so far
-    onednn.decode_step()
-    onednn.decode_step()
+    hugepages.decode_step()
+    hugepages.decode_step()
     assert not calls
-    onednn.decode_step()
+    hugepages.decode_step()
     assert len(calls) == 4  # a and b, two advices each
     for t in (a, b):
-        assert torch.ops.mkldnn.data_ptr(t) & -onednn.HUGE_PAGE in moved()
-    onednn.decode_step()
+        assert torch.ops.mkldnn.data_ptr(t) & -hugepages.HUGE_PAGE in moved()
+    hugepages.decode_step()
     assert len(calls) == 4  # nothing left to move
     c = onednn.pack(torch.randn(48, 64))
-    onednn.decode_step()
-    onednn.decode_step()
+    hugepages.decode_step()
+    hugepages.decode_step()
     assert len(calls) == 4
-    onednn.decode_step()
-    assert len(calls) == 6 and torch.ops.mkldnn.data_ptr(c) & -onednn.HUGE_PAGE in moved()
+    hugepages.decode_step()
+    assert len(calls) == 6 and torch.ops.mkldnn.data_ptr(c) & -hugepages.HUGE_PAGE in moved()
 
 
 def test_every_fused_decode_step_is_counted(monkeypatch):
     steps = []
-    monkeypatch.setattr(onednn, "decode_step", lambda: steps.append(1))
+    monkeypatch.setattr(hugepages, "decode_step", lambda: steps.append(1))
     eng, tok = lean_engine()
     if eng._lean.fused(torch.zeros((2, 1), dtype=torch.long)) is None:
         pytest.skip("no fused decode step here (numba kernels unavailable)")

@@ -158,3 +158,24 @@ def test_an_all_panel_rule_keeps_qkv_and_gate_up_as_panels_only(panels):
     for (ids_a, lp_a), (ids_b, lp_b) in zip(got, want, strict=True):
         assert ids_a == ids_b
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-4)
+
+
+def test_panel_copies_move_onto_huge_pages_after_serving_enough_decode_steps(panels,
+                                                                            monkeypatch):
+    # The panel kernel's packed copies go through the same rent-or-buy move as oneDNN's
+    # (`hugepages`): registered when packed, advised once HUGE_PAGES_AFTER steps have passed.
+    from appo.rollout.cpu import hugepages
+
+    calls = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(hugepages, "HUGE_PAGES_AFTER", 2)
+    monkeypatch.setattr(hugepages, "_unmoved", {})
+    _, w = _case(1, 4 * panels.PANEL, 300, seed=11)
+    kept = panels.pack(w.numpy())
+    hugepages.decode_step()
+    assert not calls
+    hugepages.decode_step()
+    start = kept.ctypes.data
+    assert [c[2] for c in calls] == [hugepages.MADV_HUGEPAGE, hugepages.MADV_COLLAPSE]
+    assert calls[0][0] <= start < calls[0][0] + hugepages.HUGE_PAGE
+    assert calls[0][0] + calls[0][1] >= start + kept.nbytes

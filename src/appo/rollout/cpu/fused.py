@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import kernels, onednn
+from appo.rollout.cpu import hugepages, kernels, onednn
 
 _EMPTY = np.empty(0, np.float32)
 # Query-key pairs of a layer's decode attention below which it runs on the calling thread
@@ -94,7 +94,7 @@ class FusedStep:
         lean, k = self.lean, self.k
         lean.refresh()
         impl = lean._matmuls(input_ids)
-        onednn.decode_step()  # packed weights that keep serving go onto huge pages
+        hugepages.decode_step()  # packed weights that keep serving go onto huge pages
         rows = input_ids.shape[0]
         hd, eps = lean.head_dim, lean.eps
         emb = lean.base.embed_tokens(input_ids)

@@ -16,17 +16,7 @@ thread count and the row count, never on what ran before (one layout per weight)
 only; anything else goes to `F.linear`.
 
 Packed copies that keep serving decode steps are moved onto 2 MB transparent huge pages
-(`huge_pages`: `madvise` `MADV_HUGEPAGE` + `MADV_COLLAPSE`, Linux 6.1+, where the kernel's
-THP mode is `madvise` or `always`). A decode step at a few rows streams every weight once;
-on 4 KB pages that is ~130,000 pages a step, far more than the TLB holds, and the step's
-matmuls ran 6-12 % slower (`benchmarks/RESULTS.md`, "packed weights on huge pages"). The
-move copies the bytes, about what `HUGE_PAGES_AFTER` decode steps gain back (both scale
-with the weights' size), so it happens once the copies made since the last packing have
-served that many steps (`decode_step`; a rent-or-buy rule: at most twice the best choice's
-cost whatever comes next). An RL step whose rollout is shorter, repacked after every
-update, never pays it; a long rollout, an evaluation or a benchmark does, once. The bytes
-and their addresses stay the same, so results do not change. `APPO_CPU_HUGE_PAGES=0`
-turns it off; elsewhere (another OS, an older kernel, THP off) the call does nothing.
+(`appo.rollout.cpu.hugepages`: registered by `pack`, moved by its `decode_step`).
 
 `linear_bf16` is the low-precision option (`rollout.cpu_weights=bfloat16`): the weight
 packed as bfloat16 (half the bytes a decode step reads), the input rounded to bfloat16,
@@ -38,17 +28,14 @@ float32. Its log-probs differ from a float32 forward's (`benchmarks/RESULTS.md`)
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-import sys
-import weakref
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from appo.rollout.cpu import hugepages
 from appo.rollout.cpu.cache import per_tensor
 from appo.rollout.cpu.cpuinfo import cpu_info
 
@@ -56,15 +43,6 @@ from appo.rollout.cpu.cpuinfo import cpu_info
 # for 1 row, 8-32 rows ran 1.5-1.8x slower than packed for 32 (Zen 5); packed for 8, 32 or
 # 128, 1-256 rows ran within a few percent of each other.
 PACK_ROWS = 32
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's <asm-generic/mman-common.h>
-
-# Decode steps the packed copies serve before their move onto huge pages (`decode_step`):
-# moving SmolLM2's 540 MB took 0.3-1.4 s, a step's matmuls gained ~2 ms (Zen 5).
-HUGE_PAGES_AFTER = 256
-_unmoved: weakref.WeakSet = weakref.WeakSet()  # live packed copies not on huge pages yet
-_steps_since_pack = 0
 
 _packed: dict[int, tuple] = {}
 _packed_bf16: dict[int, tuple] = {}
@@ -93,34 +71,16 @@ def bf16_available() -> bool:
     return available() and supported and any(f in cpu_info()["flags"] for f in BF16_FLAGS)
 
 
-@functools.cache
-def _madvise():
-    """libc's `madvise`, on Linux with the switch on (None elsewhere)."""
-    if not sys.platform.startswith("linux") or os.environ.get("APPO_CPU_HUGE_PAGES") == "0":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    return fn
-
-
 def huge_pages(packed: Tensor) -> bool:
-    """Back a packed weight's memory with 2 MB pages, now (see module docstring); True where
-    the kernel did. The range is widened to whole 2 MB pages: a weight's neighbours in the
-    heap (mostly the other packed weights) move with it, their bytes unchanged."""
-    madvise = _madvise()
-    if madvise is None or packed.layout != torch._mkldnn:
+    """Back a packed weight's memory with 2 MB pages, now (`hugepages.advise`); True where
+    the kernel did, False for a tensor that is not oneDNN's."""
+    if packed.layout != torch._mkldnn:
         return False
     try:
         start, size = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
     except (AttributeError, RuntimeError):  # a torch without these ops
         return False
-    lo, hi = start & -HUGE_PAGE, (start + size + HUGE_PAGE - 1) & -HUGE_PAGE
-    # Failures (no THP, a kernel before 6.1, no huge page free) leave 4 KB pages: same bytes.
-    madvise(lo, hi - lo, MADV_HUGEPAGE)
-    return madvise(lo, hi - lo, MADV_COLLAPSE) == 0
+    return hugepages.advise(start, size)
 
 
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -131,23 +91,12 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     with torch.no_grad():
         dense = weight.detach().to(dtype).contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
-    global _steps_since_pack
-    _unmoved.add(packed)
-    _steps_since_pack = 0
+    try:
+        hugepages.track(packed, torch.ops.mkldnn.data_ptr(packed),
+                        torch.ops.mkldnn._nbytes(packed))
+    except (AttributeError, RuntimeError):  # a torch without these ops: stays on 4 KB pages
+        pass
     return packed
-
-
-def decode_step() -> None:
-    """Count one decode step served by the packed copies; at `HUGE_PAGES_AFTER` steps since
-    the last packing, move every copy made since onto huge pages (`huge_pages`)."""
-    global _steps_since_pack
-    if not _unmoved:
-        return
-    _steps_since_pack += 1
-    if _steps_since_pack >= HUGE_PAGES_AFTER:
-        for packed in list(_unmoved):
-            huge_pages(packed)
-        _unmoved.clear()
 
 
 def _cached(store: dict, weight: Tensor, dtype: torch.dtype) -> Tensor:

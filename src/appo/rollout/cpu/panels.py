@@ -22,7 +22,8 @@ row count split or column split (the engine's determinism), though not equal to 
 the other kernels' sums (summation order, as any GEMM).
 
 `packed(weight)` makes the packed copy (cached per weight tensor, repacked when its storage
-or version counter changes, freed with the tensor or by `drop()`); `N` must be a multiple
+or version counter changes, freed with the tensor or by `drop()`; moved onto huge pages
+once it keeps serving decode steps, `appo.rollout.cpu.hugepages`); `N` must be a multiple
 of `PANEL` (`fits`), other matrices take the tile kernel. Which row counts use it is the decode
 rule's choice (`appo.rollout.cpu.matmuls`, implementation `numba_panel`); timings in
 `benchmarks/RESULTS.md` ("CPU rollout").
@@ -40,6 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from torch import Tensor
 
+from appo.rollout.cpu import hugepages
 from appo.rollout.cpu.cache import per_tensor
 
 # Vector width: 16 floats where LLVM targets AVX-512 (32 vector registers), else 8 (AVX2's 16).
@@ -187,6 +189,7 @@ def pack(weight: np.ndarray) -> np.ndarray:
     n, k = weight.shape
     panels = np.empty((n // PANEL, k, PANEL), weight.dtype)
     panels[:] = weight.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
+    hugepages.track(panels, panels.ctypes.data, panels.nbytes)  # moved once it keeps serving
     return panels.reshape(n, k)
 
 
