@@ -42,14 +42,15 @@ from typing import Any
 # `benchmarks/engines.py --rows 8,32 --new-tokens 128 --repeats 3 --prefix-caching on`
 # (`benchmarks/RESULTS.md`). avx2: 2026-11-27, an AMD EPYC Zen 3, the hf engine with the
 # numba sampling kernel, spinning helper threads and the panel matmul kernel. avx512:
-# 2026-11-28, an AMD EPYC Zen 5, the hf engine with oneDNN's GEMM on packed weights (on
-# huge pages) and torch's OpenMP pool for its numba jobs (`appo.rollout.cpu`; 30842d9,
-# float32 weights: `rollout.cpu_weights=bfloat16` is not counted); Intel's AVX-512 CPUs are
-# assumed to scale alike (not measured against vLLM). Other models likewise.
+# 2026-11-28, an AMD EPYC Zen 5, the hf engine with the panel kernel at AVX-512 width (on
+# huge pages) and torch's OpenMP pool for its numba jobs (`appo.rollout.cpu`; 398d5c6,
+# float32 weights: `rollout.cpu_weights=bfloat16` is not counted; the second of two runs,
+# the slower); Intel's AVX-512 CPUs are assumed to scale alike (not measured against
+# vLLM). Other models likewise.
 CPU_DECODE_BY_ISA: dict[str, tuple[tuple[int, float, float], ...]] = {
     # (rows per call, hf decode tok/s, vLLM decode tok/s)
     "avx2": ((8, 171.1, 125.9), (32, 291.0, 212.8)),
-    "avx512": ((8, 399.2, 360.6), (32, 647.1, 615.4)),
+    "avx512": ((8, 447.0, 321.1), (32, 846.7, 601.1)),
 }
 
 
