@@ -50,8 +50,9 @@ PANEL = 2 * LANES  # output columns per panel: two vectors
 # Rows per microkernel call: rows x 2 accumulators + 2 weight vectors + 1 broadcast registers.
 MAX_ROWS = 8 if LANES == 16 else 6
 # How far ahead of its loads the AVX-512 microkernel prefetches its panel stream (bytes: 48
-# steps of k). Measured on a Zen 5: one decode step's matmuls at 8 rows ran ~15 % faster
-# with it (benchmarks/HISTORY.md, "the panel kernel at AVX-512 width"); not measured on AVX2.
+# steps of k). Measured on a Zen 5: one decode step's matmuls at 8 rows took 12.6-13.7 ms
+# with it, 15.0-18.2 without (benchmarks/HISTORY.md, "The panel kernel at AVX-512 width");
+# not measured on AVX2, which keeps none.
 PREFETCH = 48 * PANEL * 4 if LANES == 16 else 0
 
 

@@ -22,8 +22,9 @@ nothing, so the split changes no bit:
 2. `e = float32(exp(z - max))` for kept tokens (0 for the others), stored; `S = sum e` and
    `A = sum e (z - max)` in float64, per block of `EXP_BLOCK` logits in `SUM_WIDTH`
    interleaved partial sums (`vec.lane_sums`, vectorised; the same order on every vector
-   width) added pairwise, then the blocks' sums in order (kept: the draw's index). The float64 exp is a polynomial LLVM vectorises
-   (`_exp_block`, over blocks of `EXP_BLOCK` logits), within ~1e-14 of libm's, so `e`
+   width) added pairwise, then the blocks' sums in order (kept: the draw's index). The
+   float64 exp is a polynomial LLVM vectorises (`_exp_block`, over blocks of `EXP_BLOCK`
+   logits), within ~1e-14 of libm's, so `e`
    rounds to the same float32 but in the rarest cases. Then `log Z = max + log S`, the entropy
    `H = log S - A / S` (`-sum p log p` with `p = e / S`), the chosen token's log-prob
    `z[id] - log Z`, and the top-k entropy proxy from the heap's `TOPK_ENTROPY_K` values.
