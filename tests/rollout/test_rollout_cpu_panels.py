@@ -56,7 +56,7 @@ def test_an_output_is_the_same_bits_in_any_row_block_or_column_range(panels):
     xs = x.numpy()
     whole = np.empty((13, n), np.float32)
     kernel(xs, wp, whole, 0, n)
-    for m in range(13):  # alone, each row runs in a 1-row block instead of a 5 or 4
+    for m in range(13):  # alone, each row runs in a 1-row block instead of its block of 4-7
         one = np.empty((1, n), np.float32)
         kernel(np.ascontiguousarray(xs[m : m + 1]), wp, one, 0, n)
         assert np.array_equal(one[0], whole[m])

@@ -199,8 +199,8 @@ class MatmulRule:
 # better on the Intel CPU than on the AMD ones, so the vendor matters as much as the vector
 # width.
 RULES: dict[str, MatmulRule] = {
-    # AMD EPYC Zen 5 (2026-11-29): the panel kernel at AVX-512 width (32-column panels, 8
-    # rows, its weight stream prefetched) at every row count and for prefill: 1.10-1.27x
+    # AMD EPYC Zen 5 (2026-11-28): the panel kernel at AVX-512 width (32-column panels, 8
+    # rows, its weight stream prefetched) at every row count and for prefill: 1.07-1.27x
     # oneDNN on packed weights at 1-256 rows, 2 threads (oneDNN was 1.14-1.29x the wide
     # kernel before). One packed copy of every weight, as oneDNN's was (the lean decoder
     # keeps QKV and gate/up as panels only). On a Zen 4, before the panel kernel and
