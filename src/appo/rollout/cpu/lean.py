@@ -192,25 +192,30 @@ class LeanDecoder:
     def _version_key(self) -> tuple:
         return tuple((p._version, p.data_ptr()) for p in self.model.parameters())
 
+    def _only_implementation(self) -> str | None:
+        """The rule's one implementation where every forward of this float32 CPU decoder
+        uses it (every row count and prefill), else None."""
+        names = {name for _, name in self.rule.steps} | {self.rule.prefill}
+        if (len(names) != 1 or self.dtype != torch.float32
+                or next(self.model.parameters()).device.type != "cpu"):
+            return None
+        return names.pop()
+
     def _onednn_only(self) -> torch.dtype | None:
         """The dtype every forward of this decoder multiplies in through oneDNN (one oneDNN
         implementation at every row count and for prefill), else None: the concatenated QKV
         and gate/up are then kept in oneDNN's layout alone, not also as dense copies
         (`onednn.pack`)."""
-        names = {name for _, name in self.rule.steps} | {self.rule.prefill}
-        if not (onednn.available() and self.dtype == torch.float32
-                and next(self.model.parameters()).device.type == "cpu"):
+        if not onednn.available():
             return None
-        return {frozenset({"torch_onednn"}): torch.float32,
-                frozenset({"onednn_bf16"}): torch.bfloat16}.get(frozenset(names))
+        return {"torch_onednn": torch.float32,
+                "onednn_bf16": torch.bfloat16}.get(self._only_implementation())
 
     def _panels_only(self) -> bool:
         """Whether every forward of this decoder multiplies through the panel kernel (the
         rule's one implementation at every row count and for prefill): the concatenated
         QKV and gate/up are then kept as panels alone (`panels.pack_tensor`)."""
-        names = {name for _, name in self.rule.steps} | {self.rule.prefill}
-        return (names == {"numba_panel"} and self.cpu_kernel and self.dtype == torch.float32
-                and next(self.model.parameters()).device.type == "cpu")
+        return self.cpu_kernel and self._only_implementation() == "numba_panel"
 
     def _pack(self) -> None:
         layers = []

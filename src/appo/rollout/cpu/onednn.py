@@ -71,16 +71,22 @@ def bf16_available() -> bool:
     return available() and supported and any(f in cpu_info()["flags"] for f in BF16_FLAGS)
 
 
+def _bytes_of(packed: Tensor) -> tuple[int, int] | None:
+    """(address, size) of a oneDNN tensor's memory; None for another tensor or a torch
+    without the ops that tell."""
+    if packed.layout != torch._mkldnn:
+        return None
+    try:
+        return torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def huge_pages(packed: Tensor) -> bool:
     """Back a packed weight's memory with 2 MB pages, now (`hugepages.advise`); True where
     the kernel did, False for a tensor that is not oneDNN's."""
-    if packed.layout != torch._mkldnn:
-        return False
-    try:
-        start, size = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
-    except (AttributeError, RuntimeError):  # a torch without these ops
-        return False
-    return hugepages.advise(start, size)
+    where = _bytes_of(packed)
+    return where is not None and hugepages.advise(*where)
 
 
 def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -91,11 +97,9 @@ def pack(weight: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     with torch.no_grad():
         dense = weight.detach().to(dtype).contiguous()
         packed = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_ROWS)
-    try:
-        hugepages.track(packed, torch.ops.mkldnn.data_ptr(packed),
-                        torch.ops.mkldnn._nbytes(packed))
-    except (AttributeError, RuntimeError):  # a torch without these ops: stays on 4 KB pages
-        pass
+    where = _bytes_of(packed)
+    if where is not None:  # else a torch that cannot tell: the copy stays on 4 KB pages
+        hugepages.track(packed, *where)
     return packed
 
 
