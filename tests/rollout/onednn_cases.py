@@ -24,3 +24,15 @@ def lean_engine(**kwargs):
     if eng._lean is None:
         pytest.skip("the tiny model is not served by the lean decoder")
     return eng, lm.tokenizer
+
+
+def greedy_under(eng, tok, rule):
+    """(token ids, log-probs) of 3 rows decoded greedily for 5 tokens with the lean
+    decoder's rule set to `rule`; the rows are released after."""
+    from appo.rollout.sampling import SamplingParams
+
+    eng._lean.rule = rule
+    rows = [eng.add_row(tok.encode(f"Tell me about the number {i}.")) for i in range(3)]
+    outs = eng.decode(rows, 5, SamplingParams(temperature=0.0))
+    eng.release(rows)
+    return [(o.token_ids, o.logps) for o in outs]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from onednn_cases import lean_engine
+from onednn_cases import greedy_under, lean_engine
 from onednn_cases import random_linear as _case
 
 from appo.rollout.cpu import hugepages, onednn
@@ -134,19 +134,12 @@ def test_an_all_onednn_rule_keeps_qkv_and_gate_up_packed_only():
     eng, tok = lean_engine()
     lean = eng._lean
 
-    def run(rule):
-        lean.rule = rule
-        rows = [eng.add_row(tok.encode(f"Tell me about the number {i}.")) for i in range(3)]
-        outs = eng.decode(rows, 5, SamplingParams(temperature=0.0))
-        eng.release(rows)
-        return [(o.token_ids, o.logps) for o in outs]
-
-    got = run(ONEDNN_ONLY)
+    got = greedy_under(eng, tok, ONEDNN_ONLY)
     assert all(lw.qkv.layout == torch._mkldnn and lw.gate_up.layout == torch._mkldnn
                for lw in lean._layers)
     assert all(w.layout == torch.strided for w in lean.matrices())  # dense for benchmarks
     mixed = MatmulRule(MatmulRule.parse("1:torch,2:torch_onednn").steps, prefill="torch_onednn")
-    want = run(mixed)
+    want = greedy_under(eng, tok, mixed)
     assert all(lw.qkv.layout == torch.strided for lw in lean._layers)  # repacked dense
     for (ids_a, lp_a), (ids_b, lp_b) in zip(got, want, strict=True):
         assert ids_a == ids_b

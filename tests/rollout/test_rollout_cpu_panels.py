@@ -131,29 +131,22 @@ def test_an_all_panel_rule_keeps_qkv_and_gate_up_as_panels_only(panels):
     # concatenated QKV and gate/up exist only as panels (no dense copy beside them); the
     # tokens are those of a rule that prefills with torch, log-probs to float32 rounding;
     # a rule change repacks them dense; `matrices` gives the dense matrices.
-    from onednn_cases import lean_engine
+    from onednn_cases import greedy_under, lean_engine
 
     from appo.rollout.cpu.matmuls import MatmulRule
-    from appo.rollout.sampling import SamplingParams
 
     eng, tok = lean_engine()
     lean = eng._lean
 
-    def run(rule):
-        lean.rule = rule
-        rows = [eng.add_row(tok.encode(f"Tell me about the number {i}.")) for i in range(3)]
-        outs = eng.decode(rows, 5, SamplingParams(temperature=0.0))
-        eng.release(rows)
-        return [(o.token_ids, o.logps) for o in outs]
-
-    got = run(MatmulRule(MatmulRule.parse("numba_panel").steps, prefill="numba_panel"))
+    all_panels = MatmulRule(MatmulRule.parse("numba_panel").steps, prefill="numba_panel")
+    got = greedy_under(eng, tok, all_panels)
     assert all(panels.is_packed(lw.qkv) and panels.is_packed(lw.gate_up)
                for lw in lean._layers)
     layer = eng.model.model.layers[0]
     want_qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                           layer.self_attn.v_proj.weight])
     assert torch.equal(lean.matrices()[0], want_qkv)
-    want = run(MatmulRule.parse("numba_panel"))  # prefill: torch
+    want = greedy_under(eng, tok, MatmulRule.parse("numba_panel"))  # prefill: torch
     assert not any(panels.is_packed(lw.qkv) for lw in lean._layers)  # repacked dense
     for (ids_a, lp_a), (ids_b, lp_b) in zip(got, want, strict=True):
         assert ids_a == ids_b
