@@ -71,10 +71,8 @@ def _microkernel(rows: int, lanes: int = LANES, prefetch: int = 0):
 
         def codegen(context, builder, sig, args):
             xa, xs, wa, oa, os_, kl = args
-            f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-            vec = ir.VectorType(f32, lanes)
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            f32, vec, fma = vector_ops(builder, lanes)
             xp, wp, op = (builder.inttoptr(a, f32.as_pointer()) for a in (xa, wa, oa))
             undef = ir.Constant(vec, ir.Undefined)
             splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
@@ -121,6 +119,15 @@ def _microkernel(rows: int, lanes: int = LANES, prefetch: int = 0):
         return sig, codegen
 
     return micro
+
+
+def vector_ops(builder, lanes: int):
+    """(float, `<lanes x float>`, its `llvm.fma`) for a microkernel's IR."""
+    f32 = ir.FloatType()
+    vec = ir.VectorType(f32, lanes)
+    fma = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
+    return f32, vec, fma
 
 
 def prefetch_line(builder, address) -> None:

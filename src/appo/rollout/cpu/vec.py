@@ -32,6 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from appo.rollout.cpu.panels import prefetch_line as _prefetch_line
+from appo.rollout.cpu.panels import vector_ops as _vector_ops
 from appo.rollout.cpu.tiles import TILE_LANES
 
 LANES = TILE_LANES
@@ -109,14 +110,6 @@ def exp_nonpositive(v):  # pragma: no cover - numba
     p = p * r + np.float32(5.0000001201e-1)
     return (p * r * r + r + np.float32(1.0)) * f32_from_bits(
         (np.int32(k) + np.int32(127)) << np.int32(23))
-
-
-def _vector_ops(builder, lanes: int):
-    f32 = ir.FloatType()
-    vec = ir.VectorType(f32, lanes)
-    fma = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
-    return f32, vec, fma
 
 
 def _load(builder, base, index, vec):
