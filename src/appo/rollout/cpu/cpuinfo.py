@@ -36,3 +36,57 @@ def read() -> dict:
 
 
 cpu_info = functools.cache(read)
+
+
+def parse_features(text: str) -> frozenset[str]:
+    """The features switched on in an LLVM feature string ("+avx2,-avx512f,+fma")."""
+    return frozenset(f[1:] for f in text.split(",") if f.startswith("+") and len(f) > 1)
+
+
+def numba_target_features() -> frozenset[str]:
+    """The CPU features numba compiles for, by numba's own rule: `NUMBA_CPU_FEATURES` where
+    it is set (also "" under `NUMBA_CPU_NAME=generic`), else the host's as LLVM sees them.
+    The kernels' vector width follows this, not /proc/cpuinfo, so code built for another
+    target (a portable cache, or `avx2_environment` on an AVX-512 machine) keeps the width
+    its instructions have. Imports numba: not for code that runs before a vLLM start-up."""
+    from llvmlite import binding
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        return parse_features(config.CPU_FEATURES)
+    return frozenset(k for k, on in binding.get_host_cpu_features().items() if on)
+
+
+# The features an AVX-512 CPU loses when it is run as an AVX2 one (`avx2_environment`).
+WIDE_FEATURE_PREFIXES = ("avx512", "amx", "avx10", "evex512")
+
+
+def avx2_environment() -> dict[str, str]:
+    """Environment variables that run a process on this machine as on an AVX2-only one:
+    numba compiles without AVX-512 (so the kernels take their 8-lane forms and the AMD or
+    Intel AVX2 decode rule), and torch's own kernels, oneDNN and MKL stop at AVX2. The
+    hardware (caches, memory) stays this machine's. Used by the suite to test the AVX2
+    kernels on AVX-512 machines and by `benchmarks/` to measure them; empty where numba
+    is missing."""
+    try:
+        from llvmlite import binding
+    except ImportError:
+        return {}
+    host = binding.get_host_cpu_features()
+    features = ",".join(("-" if not on or k.startswith(WIDE_FEATURE_PREFIXES) else "+") + k
+                        for k, on in sorted(host.items()))
+    vendor = cpu_info()["vendor"]
+    return {"NUMBA_CPU_NAME": "znver3" if vendor == "AuthenticAMD" else "haswell",
+            "NUMBA_CPU_FEATURES": features, "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+if __name__ == "__main__":
+    # `eval "$(python -m appo.rollout.cpu.cpuinfo --avx2)"`: this shell as an AVX2 machine.
+    import shlex
+    import sys
+
+    if sys.argv[1:] != ["--avx2"]:
+        sys.exit("usage: python -m appo.rollout.cpu.cpuinfo --avx2")
+    for key, value in avx2_environment().items():
+        print(f"export {key}={shlex.quote(value)}")

@@ -219,9 +219,9 @@ def wide_registers() -> bool:
     without numba."""
     if numba is None:
         return False
-    from llvmlite import binding  # numba's own LLVM binding
+    from appo.rollout.cpu.cpuinfo import numba_target_features
 
-    return bool(binding.get_host_cpu_features().get("avx512f", False))
+    return "avx512f" in numba_target_features()
 
 
 def _weight_array(weight: Tensor) -> np.ndarray:

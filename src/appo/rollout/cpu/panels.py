@@ -31,7 +31,6 @@ rule's choice (`appo.rollout.cpu.matmuls`, implementation `numba_panel`); timing
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 import torch
@@ -43,9 +42,11 @@ from torch import Tensor
 
 from appo.rollout.cpu import hugepages
 from appo.rollout.cpu.cache import per_tensor
+from appo.rollout.cpu.cpuinfo import numba_target_features
 
-# Vector width: 16 floats where LLVM targets AVX-512 (32 vector registers), else 8 (AVX2's 16).
-LANES = 16 if llvm_binding.get_host_cpu_features().get("avx512f") else 8
+# Vector width: 16 floats where numba targets AVX-512 (32 vector registers), else 8 (AVX2's 16):
+# the target numba compiles for, which `NUMBA_CPU_FEATURES` may set below the host's.
+LANES = 16 if "avx512f" in numba_target_features() else 8
 PANEL = 2 * LANES  # output columns per panel: two vectors
 # Rows per microkernel call: rows x 2 accumulators + 2 weight vectors + 1 broadcast registers.
 MAX_ROWS = 8 if LANES == 16 else 6
