@@ -228,13 +228,33 @@ def test_the_table_follows_the_cpus_vector_width(monkeypatch, tmp_path):
             return real_open(path, *a, **kw)
         return fake
 
-    monkeypatch.setattr(builtins, "open", cpuinfo("fpu sse avx2 fma avx512f avx512bw"))
-    assert auto.cpu_isa() == "avx512"
-    monkeypatch.setattr(builtins, "open", cpuinfo("fpu sse avx2 fma"))
-    assert auto.cpu_isa() == "avx2"
-    # Both tables hold the measured sizes, and this machine's is the one in use.
+    # This machine's table is the one in use (read at import, under this environment).
+    assert auto.CPU_DECODE == auto.CPU_DECODE_BY_ISA[auto.cpu_isa()]
+    from appo.rollout.cpu import cpuinfo as info
+
+    def isa(flags: str) -> str:
+        monkeypatch.setattr(builtins, "open", cpuinfo(flags))
+        info.cpu_info.cache_clear()
+        try:
+            return auto.cpu_isa()
+        finally:
+            monkeypatch.setattr(builtins, "open", real_open)
+            info.cpu_info.cache_clear()
+
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    assert isa("fpu sse avx2 fma avx512f avx512bw") == "avx512"
+    assert isa("fpu sse avx2 fma") == "avx2"
+    # numba's own override of its target (`cpuinfo.avx2_environment`) wins over the flags.
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert isa("fpu sse avx2 fma avx512f avx512bw") == "avx2"
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512f")
+    assert isa("fpu sse avx2 fma") == "avx512"
+    monkeypatch.delenv("NUMBA_CPU_FEATURES")
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert isa("fpu sse avx2 fma avx512f") == "avx2"
+    # Both tables hold the measured sizes.
     assert set(auto.CPU_DECODE_BY_ISA) == {"avx2", "avx512"}
     for table in auto.CPU_DECODE_BY_ISA.values():
         assert [r for r, _, _ in table] == [8, 32]
-    monkeypatch.setattr(builtins, "open", real_open)
-    assert auto.CPU_DECODE == auto.CPU_DECODE_BY_ISA[auto.cpu_isa()]
+

@@ -85,3 +85,16 @@ def test_on_an_avx512_target_the_panel_kernel_uses_its_registers():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[:3] == ["16", "True", "True"]
     assert done.stdout.split()[4] == "True"
+
+
+def test_target_flags_follow_numbas_variables_without_importing_numba(monkeypatch):
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    assert cpuinfo.target_flags() == cpuinfo.cpu_info()["flags"]
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert cpuinfo.target_flags() == frozenset()
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,-avx512f")
+    assert cpuinfo.target_flags() == frozenset({"avx2"})
+    from appo.trainer import cpu_linear  # `actor.cpu_matmul=auto` decides by them too
+
+    assert not cpu_linear._amd_avx512()

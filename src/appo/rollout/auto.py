@@ -55,10 +55,12 @@ CPU_DECODE_BY_ISA: dict[str, tuple[tuple[int, float, float], ...]] = {
 
 
 def cpu_isa() -> str:
-    """"avx512" where the CPU has AVX-512 (`avx512f` in /proc/cpuinfo), else "avx2"."""
-    from appo.rollout.cpu.cpuinfo import read
+    """"avx512" where the hf engine's kernels run at AVX-512 width (`avx512f` in
+    /proc/cpuinfo, or in `NUMBA_CPU_FEATURES` where set: `cpuinfo.target_flags`), else
+    "avx2"."""
+    from appo.rollout.cpu.cpuinfo import target_flags
 
-    return "avx512" if "avx512f" in read()["flags"] else "avx2"
+    return "avx512" if "avx512f" in target_flags() else "avx2"
 
 
 CPU_DECODE: tuple[tuple[int, float, float], ...] = CPU_DECODE_BY_ISA[cpu_isa()]

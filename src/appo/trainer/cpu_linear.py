@@ -67,12 +67,12 @@ def available() -> bool:
 
 
 def _amd_avx512() -> bool:
-    """An AMD CPU with AVX-512 (`cpuinfo`: numba-free, unlike the decode rule's check, so
-    deciding before a vLLM engine starts imports no numba)."""
-    from appo.rollout.cpu.cpuinfo import cpu_info
+    """An AMD CPU with AVX-512, as numba targets it (`cpuinfo.target_flags`: numba-free,
+    unlike the decode rule's check, so deciding before a vLLM engine starts imports no
+    numba; under `avx2_environment` an AVX-512 machine counts as an AVX2 one here too)."""
+    from appo.rollout.cpu.cpuinfo import cpu_info, target_flags
 
-    info = cpu_info()
-    return info["vendor"] == "AuthenticAMD" and "avx512f" in info["flags"]
+    return cpu_info()["vendor"] == "AuthenticAMD" and "avx512f" in target_flags()
 
 
 def uses_onednn(choice: str, device: torch.device, dtype: torch.dtype, fsdp: bool) -> bool:

@@ -5,6 +5,7 @@ fails on llvmlite's FFI object)."""
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 
@@ -41,6 +42,16 @@ cpu_info = functools.cache(read)
 def parse_features(text: str) -> frozenset[str]:
     """The features switched on in an LLVM feature string ("+avx2,-avx512f,+fma")."""
     return frozenset(f[1:] for f in text.split(",") if f.startswith("+") and len(f) > 1)
+
+
+def target_flags() -> frozenset[str]:
+    """`numba_target_features` without importing numba: the features of
+    `NUMBA_CPU_FEATURES` where that variable is set (none under `NUMBA_CPU_NAME=generic`),
+    else /proc/cpuinfo's flags (the same names for the x86 vector extensions)."""
+    features = os.environ.get("NUMBA_CPU_FEATURES")
+    if features is None and os.environ.get("NUMBA_CPU_NAME", "").lower() == "generic":
+        features = ""
+    return cpu_info()["flags"] if features is None else parse_features(features)
 
 
 def numba_target_features() -> frozenset[str]:
