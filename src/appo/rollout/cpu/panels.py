@@ -10,10 +10,10 @@ input rows x `PANEL` columns in vector accumulators: per `k` it loads the panel'
 vectors, broadcasts each row's `x[m, k]` and does two fused multiply-adds per row, with
 no horizontal sum (the BLIS / GotoBLAS layout). On AVX2: 6 rows, 12 accumulators, 15 of
 its 16 vector registers. On AVX-512: 16-float vectors and 8 rows (16 accumulators of 32
-registers), and the panel stream is prefetched `PREFETCH` bytes ahead: at a few rows a
-decode step's matmuls read the weights and little else, and the hardware prefetcher
-alone left the memory bus partly idle. The microkernel is written in LLVM IR (a numba
-intrinsic per row count: `<LANES x float>` vectors and `llvm.fma`), so its accumulators
+registers). At both widths the panel stream is prefetched `PREFETCH` bytes ahead: at a
+few rows a decode step's matmuls read the weights and little else, and the hardware
+prefetcher alone left the memory bus partly idle. The microkernel is written in LLVM IR
+(a numba intrinsic per row count: `<LANES x float>` vectors and `llvm.fma`), so its accumulators
 stay in registers whatever LLVM's vectoriser would have made of scalar code.
 
 Exactness: each output is one chain of float32 fused multiply-adds over `k = 0..K-1` from
@@ -50,11 +50,13 @@ LANES = 16 if "avx512f" in numba_target_features() else 8
 PANEL = 2 * LANES  # output columns per panel: two vectors
 # Rows per microkernel call: rows x 2 accumulators + 2 weight vectors + 1 broadcast registers.
 MAX_ROWS = 8 if LANES == 16 else 6
-# How far ahead of its loads the AVX-512 microkernel prefetches its panel stream (bytes: 48
-# steps of k). Measured on a Zen 5: one decode step's matmuls at 8 rows took 12.6-13.7 ms
-# with it, 15.0-18.2 without (benchmarks/HISTORY.md, "The panel kernel at AVX-512 width");
-# not measured on AVX2, which keeps none.
-PREFETCH = 48 * PANEL * 4 if LANES == 16 else 0
+# How far ahead of its loads the microkernel prefetches its panel stream (bytes: 48 steps of
+# k at AVX-512 width, 96 at AVX2's). Measured on a Zen 5, one decode step's matmuls at 8
+# rows: AVX-512 12.6-13.7 ms with it, 15.0-18.2 without; the AVX2 kernels there
+# (`cpuinfo.avx2_environment`) 15.0-16.8 with it, 22.1-22.8 without; 12 KB was no faster
+# at either width (benchmarks/HISTORY.md, "The panel kernel at AVX-512 width" and "The
+# AVX2 kernels on an AVX-512 machine"). Not measured on a Zen 3.
+PREFETCH = 6 * 1024
 
 
 def _microkernel(rows: int, lanes: int = LANES, prefetch: int = 0):
