@@ -39,6 +39,10 @@ committed `src` tree, library versions), so it can be stopped and resumed.
     python benchmarks/engines.py --prefix-caching none --base ../appo-base  # before / after
     python benchmarks/engines.py --cpu-weights bfloat16 --base .   # bf16 weights vs float32
 
+`--avx2` runs every worker as on an AVX2 machine (`appo.rollout.cpu.cpuinfo.avx2_environment`:
+numba, torch, oneDNN and MKL without AVX-512; vLLM loads its AVX2 kernels, `vllm._C_AVX2`,
+as on a CPU without AVX-512): the AVX2 code of both engines on this machine's hardware.
+
 `--base TREE` adds engine `hf-base`: the same hf worker with TREE's `src` first on the path
 (a git worktree of the commit before a change), interleaved with `hf` in every repeat; its
 "vs hf" columns are then base / new.
@@ -100,6 +104,11 @@ def _make_engine(args):
         info["decode_rule"] = str(getattr(lean, "rule", None))
         info["dtype"] = str(eng.dtype)
     else:
+        if args.avx2:
+            # vLLM picks its kernel library by what torch says of the CPU (platforms/cpu.py,
+            # `import_kernels`), not by ATEN_CPU_CAPABILITY: as on a CPU without AVX-512.
+            torch.cpu._is_avx512_supported = lambda: False
+            torch.cpu._is_avx512_bf16_supported = lambda: False
         import vllm
         from vllm import SamplingParams as VSamplingParams
 
@@ -180,7 +189,7 @@ class Worker:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine,
                "--threads", str(args.threads), "--model", args.model,
                "--kv-cache-gib", str(args.kv_cache_gib), "--cpu-weights", args.cpu_weights,
-               "--vllm-logprobs", str(args.vllm_logprobs)]
+               "--vllm-logprobs", str(args.vllm_logprobs)] + (["--avx2"] if args.avx2 else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, cwd=REPO)
         self.send(init)
@@ -395,7 +404,8 @@ def write_table(records: list[dict], args, mach: dict, vers: dict, command: str)
         f"- appo src tree {src_tree()}"
         + (f" (hf-base: {args.base}, src tree {src_tree(args.base)})" if args.base else "")
         + f"; model {args.model}, float32; {args.threads} threads "
-        "(torch threads for hf = OMP_NUM_THREADS for vLLM)",
+        + ("(AVX2 code: `--avx2`) " if args.avx2 else "")
+        + "(torch threads for hf = OMP_NUM_THREADS for vLLM)",
         f"- workload: {', '.join(map(str, rows_all))} rows ({args.per_prompt} per prompt), "
         f"{args.new_tokens} new tokens, temperature 1, log-probs on (vLLM top-"
         f"{args.vllm_logprobs}), no stops, EOS off; `{args.data}` questions, "
@@ -451,6 +461,7 @@ def config_key(args, mach: dict, vers: dict) -> dict:
             "per_prompt": args.per_prompt, "template": args.template, "data": args.data,
             "vllm_logprobs": args.vllm_logprobs, "kv_cache_gib": args.kv_cache_gib,
             **({"cpu_weights": args.cpu_weights} if args.cpu_weights != "float32" else {}),
+            **({"isa": "avx2"} if args.avx2 else {}),
             "cpu": mach["cpu"], "src": src_tree(), "versions": vers,
             **({"base_src": src_tree(args.base)} if args.base else {})}
 
@@ -486,11 +497,17 @@ def main() -> None:
                    help="Markdown table; the JSONL log is the same path with .jsonl")
     p.add_argument("--decide", type=int, metavar="ROWS",
                    help="print the faster engine for ROWS rows from the log, measure nothing")
+    p.add_argument("--avx2", action="store_true",
+                   help="every engine as on an AVX2 machine (its AVX2 code on this hardware)")
     p.add_argument("--worker", choices=tuple(ENGINES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.avx2:  # not in a worker: vLLM's start-up fails where llvmlite is imported
+        from appo.rollout.cpu.cpuinfo import avx2_environment
+
+        os.environ.update(avx2_environment())  # before any worker starts: they inherit it
     log_path = args.out.with_suffix(".jsonl")
     mach, vers = machine(), versions()
     key = config_key(args, mach, vers)
