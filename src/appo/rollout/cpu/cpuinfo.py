@@ -78,12 +78,14 @@ def avx2_environment() -> dict[str, str]:
     Intel AVX2 decode rule), and torch's own kernels, oneDNN and MKL stop at AVX2. The
     hardware (caches, memory) stays this machine's. Used by the suite to test the AVX2
     kernels on AVX-512 machines and by `benchmarks/` to measure them; empty where numba
-    is missing."""
+    is missing or the CPU has no AVX2 (another architecture: nothing to emulate)."""
     try:
         from llvmlite import binding
     except ImportError:
         return {}
     host = binding.get_host_cpu_features()
+    if not host.get("avx2"):
+        return {}
     features = ",".join(("-" if not on or k.startswith(WIDE_FEATURE_PREFIXES) else "+") + k
                         for k, on in sorted(host.items()))
     vendor = cpu_info()["vendor"]
@@ -99,5 +101,8 @@ if __name__ == "__main__":
 
     if sys.argv[1:] != ["--avx2"]:
         sys.exit("usage: python -m appo.rollout.cpu.cpuinfo --avx2")
-    for key, value in avx2_environment().items():
+    env = avx2_environment()
+    if not env:
+        sys.exit("this CPU has no AVX2 (or numba is missing): nothing to run as an AVX2 machine")
+    for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
