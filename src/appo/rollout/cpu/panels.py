@@ -53,7 +53,7 @@ MAX_ROWS = 8 if LANES == 16 else 6
 # How far ahead of its loads the microkernel prefetches its panel stream (bytes: 48 steps of
 # k at AVX-512 width, 96 at AVX2's). Measured on a Zen 5, one decode step's matmuls at 8
 # rows: AVX-512 12.6-13.7 ms with it, 15.0-18.2 without; the AVX2 kernels there
-# (`cpuinfo.avx2_environment`) 15.0-16.8 with it, 22.1-22.8 without; 12 KB was no faster
+# (`cpuinfo.avx2_environment`) 15.0-15.7 with it, 22.1-22.8 without; 12 KB was no faster
 # at either width (benchmarks/HISTORY.md, "The panel kernel at AVX-512 width" and "The
 # AVX2 kernels on an AVX-512 machine"). Not measured on a Zen 3.
 PREFETCH = 6 * 1024
