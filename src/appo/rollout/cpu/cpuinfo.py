@@ -1,6 +1,9 @@
 """The CPU's vendor, model name and feature flags from /proc/cpuinfo, without numba (so the
 trainer can ask before a vLLM engine starts: vLLM's start-up scans every loaded module and
-fails on llvmlite's FFI object)."""
+fails on llvmlite's FFI object); the features numba compiles the CPU kernels for
+(`numba_target_features`, or numba-free `target_flags`), which `NUMBA_CPU_FEATURES` may set
+below the machine's; and `avx2_environment`, the variables that run a process on an
+AVX-512 machine as on an AVX2 one (`python -m appo.rollout.cpu.cpuinfo --avx2`)."""
 
 from __future__ import annotations
 
