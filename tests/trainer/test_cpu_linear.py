@@ -171,3 +171,41 @@ def test_sft_runs_its_linears_through_onednn_when_asked(monkeypatch, tmp_path):
     # Step 1's loss comes from the same weights: equal to rounding (step 2 follows an AdamW
     # step, which may turn rounding into a step: not compared).
     assert abs(fast.train_loss[0] - plain.train_loss[0]) < 1e-4
+
+
+def test_the_lean_swiglu_down_projection_runs_through_onednn_inside_the_block(monkeypatch):
+    # `_SwiGLUDown` computes the down projection outside its nn.Linear: inside the block its
+    # three products (forward, input and weight gradients) go through oneDNN (`matmul_nt`),
+    # so the lean model makes exactly the oneDNN products of the plain one, and its loss and
+    # gradients equal the plain model's; outside the block, torch computes them.
+    from collections import Counter
+
+    from appo.models import load_model
+    from appo.trainer import memory
+
+    model = load_model("tiny-test", device="cpu").model.float()
+    twin = copy.deepcopy(model)
+    assert memory.lean_mlp_activations(model) > 0
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator()
+                        .manual_seed(1))
+    shapes = []
+    real = cpu_linear._mm
+    monkeypatch.setattr(cpu_linear, "_mm", lambda a, b: shapes.append(
+        (tuple(a.shape), tuple(b.shape))) or real(a, b))
+
+    def products(m) -> tuple[Counter, torch.Tensor]:
+        shapes.clear()
+        with onednn_linears(m):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return Counter(shapes), loss
+
+    lean, loss = products(model)
+    plain, want = products(twin)
+    assert lean == plain and sum(lean.values()) >= 3 * 7 * model.config.num_hidden_layers
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+    shapes.clear()
+    model(input_ids=ids, labels=ids).loss.backward()  # outside the block: torch's products
+    assert shapes == []

@@ -12,7 +12,8 @@ checkpointing's recomputation runs inside the block too, so it recomputes the sa
 
 `actor.cpu_matmul`: `auto` (the default) uses it where the decode rule does (an AMD CPU with
 AVX-512, float32, CPU: `uses_onednn`), `torch` never, `onednn` wherever oneDNN is
-available. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards). It
+available. Inside the block `matmul_nt` runs through oneDNN as well: the lean SwiGLU's
+down projection computes its products there, outside its `nn.Linear`. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards). It
 covers the RL update and its no-grad log-prob passes, SFT (`appo sft`, the demo's cold
 start) and the critic's values and update (`appo.trainer.critic`).
 """
@@ -31,6 +32,21 @@ def _mm(a: Tensor, b: Tensor) -> Tensor:
     """`a @ b^T` (`[M, K] x [N, K] -> [M, N]`) through oneDNN, both operands contiguous."""
     return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none",
                                               [None], "")
+
+
+# How many `onednn_linears` blocks are open: inside one, `matmul_nt` (the products that
+# custom autograd functions compute outside any `nn.Linear`) runs through oneDNN too.
+_open = 0
+
+
+def matmul_nt(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b^T` (`[M, K] x [N, K] -> [M, N]`): through oneDNN inside an `onednn_linears`
+    block for float32 CPU operands, else torch's `a @ b.t()`. For the products of custom
+    autograd functions that bypass the linear modules (the lean SwiGLU's down projection,
+    `appo.trainer.memory._SwiGLUDown`)."""
+    if _open and a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu":
+        return _mm(a, b)
+    return a @ b.t()
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -115,10 +131,13 @@ def onednn_linears(model: torch.nn.Module, enabled: bool = True) -> Iterator[Non
             return F.linear(x, w, b)
         return forward
 
+    global _open
     for layer in layers:
         layer.forward = make(layer)
+    _open += 1
     try:
         yield
     finally:
+        _open -= 1
         for layer in layers:
             layer.__dict__.pop("forward", None)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from appo.errors import AppoError
+from appo.trainer.cpu_linear import matmul_nt  # oneDNN inside `onednn_linears`
 
 GIB = 2**30
 MARGIN = 0.3  # of the activation share: chunk temporaries and the shared prefix's K/V (below)
@@ -354,7 +355,9 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling):
         h = torch.nn.functional.silu(gate) * up
-        out = torch.nn.functional.linear(h, weight, bias)
+        out = matmul_nt(h.reshape(-1, h.shape[-1]), weight).reshape(*h.shape[:-1], -1)
+        if bias is not None:
+            out = out + bias
         low = None
         if lora_a is not None:
             low = h @ lora_a.t()  # [..., r]
@@ -368,8 +371,8 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad_out):
         gate, up, weight, lora_a, lora_b, low = ctx.saved_tensors
         act = torch.nn.functional.silu(gate)
-        grad_prod = grad_out @ weight  # [..., O] @ [O, I]
         flat_out = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_prod = matmul_nt(flat_out, weight.t()).reshape(up.shape)  # [..., O] @ [O, I]
         grad_w = grad_b = grad_gate = grad_up = grad_a = grad_bb = None
         if lora_a is not None:
             grad_low = (grad_out @ lora_b) * ctx.scaling  # [..., r]
@@ -380,7 +383,7 @@ class _SwiGLUDown(torch.autograd.Function):
             if ctx.needs_input_grad[5]:
                 grad_bb = (flat_out.t() @ low.reshape(-1, low.shape[-1])) * ctx.scaling
         if ctx.needs_input_grad[2]:
-            grad_w = flat_out.t() @ (act * up).reshape(-1, up.shape[-1])
+            grad_w = matmul_nt(flat_out.t(), (act * up).reshape(-1, up.shape[-1]).t())
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = flat_out.sum(0)
         if ctx.needs_input_grad[0]:
