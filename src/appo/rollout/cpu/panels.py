@@ -79,11 +79,7 @@ def _microkernel(rows: int, lanes: int = LANES, prefetch: int = 0):
             xp, wp, op = (builder.inttoptr(a, f32.as_pointer()) for a in (xa, wa, oa))
             undef = ir.Constant(vec, ir.Undefined)
             splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
-            entry = builder.block
-            loop = builder.append_basic_block("panel_k")
-            done = builder.append_basic_block("panel_done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
+            entry, loop, done = open_loop(builder, "panel")
             k = builder.phi(i64)
             accs = [[builder.phi(vec) for _ in range(2)] for _ in range(rows)]
             base = builder.mul(k, ir.Constant(i64, width))
@@ -131,6 +127,22 @@ def vector_ops(builder, lanes: int):
     fma = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
     return f32, vec, fma
+
+
+def open_loop(builder, name: str, count=None):
+    """Start a loop in a microkernel's IR: returns its (entry, loop, done) blocks with the
+    builder inside `loop`. With `count` (an i64) the loop is skipped where `count <= 0`;
+    without, it runs at least once."""
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}_loop")
+    done = builder.append_basic_block(f"{name}_done")
+    if count is None:
+        builder.branch(loop)
+    else:
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(ir.IntType(64), 0)),
+                        loop, done)
+    builder.position_at_end(loop)
+    return entry, loop, done
 
 
 def prefetch_line(builder, address) -> None:

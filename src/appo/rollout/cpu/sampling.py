@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from appo.rollout.cpu import split, vec
+from appo.rollout.cpu import panels, split, vec
 from appo.rollout.cpu.cache import flush_stale
 from appo.rollout.cpu.vec import SUM_WIDTH, lane_sums
 from appo.rollout.sampling import TOPK_ENTROPY_K, SamplingParams
@@ -381,5 +381,6 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     return tuple(torch.from_numpy(a) for a in sample_numpy(logits, params, generator, seen))
 
 
-# `_exp_row` (and `sample_rows`, which calls it) embed `vec.lane_sums`.
-flush_stale((_exp_row, sample_rows), (__file__, vec.__file__), "sampling")
+# `_exp_row` (and `sample_rows`, which calls it) embed `vec.lane_sums`, built with
+# `panels.open_loop`.
+flush_stale((_exp_row, sample_rows), (__file__, vec.__file__, panels.__file__), "sampling")

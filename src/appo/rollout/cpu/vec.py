@@ -31,6 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from appo.rollout.cpu.panels import open_loop as _open_loop
 from appo.rollout.cpu.panels import prefetch_line as _prefetch_line
 from appo.rollout.cpu.panels import vector_ops as _vector_ops
 from appo.rollout.cpu.tiles import TILE_LANES
@@ -112,8 +113,9 @@ def exp_nonpositive(v):  # pragma: no cover - numba
         (np.int32(k) + np.int32(127)) << np.int32(23))
 
 
-def _load(builder, base, index, vec):
-    return builder.load(builder.bitcast(builder.gep(base, [index]), vec.as_pointer()), align=4)
+def _load(builder, base, index, vec, align: int = 4):
+    return builder.load(builder.bitcast(builder.gep(base, [index]), vec.as_pointer()),
+                        align=align)
 
 
 def _qk(lanes: int):
@@ -128,11 +130,7 @@ def _qk(lanes: int):
             i64, i32 = ir.IntType(64), ir.IntType(32)
             f32, vec, fma = _vector_ops(builder, lanes)
             qp, kp, op = (builder.inttoptr(a, f32.as_pointer()) for a in (qa, ka, oa))
-            entry = builder.block
-            loop = builder.append_basic_block("qk_loop")
-            done = builder.append_basic_block("qk_done")
-            builder.branch(loop)
-            builder.position_at_end(loop)
+            entry, loop, done = _open_loop(builder, "qk")
             i = builder.phi(i64)
             accs = [builder.phi(vec) for _ in range(lanes)]
             qv = _load(builder, qp, i, vec)
@@ -193,11 +191,7 @@ def _pv(groups: int, nvec: int, lanes: int):
                   for g in range(groups)]
             init = [[_load(builder, ap, at[g][v], vec) for v in range(nvec)]
                     for g in range(groups)]
-            entry = builder.block
-            loop = builder.append_basic_block("pv_loop")
-            done = builder.append_basic_block("pv_done")
-            builder.cbranch(builder.icmp_signed(">", nl, ir.Constant(i64, 0)), loop, done)
-            builder.position_at_end(loop)
+            entry, loop, done = _open_loop(builder, "pv", nl)
             j = builder.phi(i64)
             accs = [[builder.phi(vec) for _ in range(nvec)] for _ in range(groups)]
             row = builder.mul(j, dl)
@@ -310,24 +304,16 @@ def lane_sums(typingctx, a_addr, b_addr, n, out_addr):
         vec = ir.VectorType(f64, SUM_LANES)
         ap, bp, op = (builder.inttoptr(x, f64.as_pointer()) for x in (aa, ba, oa))
 
-        def load(base, index):
-            return builder.load(builder.bitcast(builder.gep(base, [index]), vec.as_pointer()),
-                                align=8)
-
         at = [ir.Constant(i64, k * SUM_LANES) for k in range(2 * SUM_VECTORS)]
-        init = [load(op, at[k]) for k in range(2 * SUM_VECTORS)]
-        entry = builder.block
-        loop = builder.append_basic_block("sums_loop")
-        done = builder.append_basic_block("sums_done")
-        builder.cbranch(builder.icmp_signed(">", nl, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
+        init = [_load(builder, op, at[k], vec, 8) for k in range(2 * SUM_VECTORS)]
+        entry, loop, done = _open_loop(builder, "sums", nl)
         i = builder.phi(i64)
         accs = [builder.phi(vec) for _ in range(2 * SUM_VECTORS)]
         new = []
         for k in range(2 * SUM_VECTORS):
             base = ap if k < SUM_VECTORS else bp
             off = builder.add(i, ir.Constant(i64, (k % SUM_VECTORS) * SUM_LANES))
-            new.append(builder.fadd(accs[k], load(base, off)))
+            new.append(builder.fadd(accs[k], _load(builder, base, off, vec, 8)))
         i1 = builder.add(i, ir.Constant(i64, SUM_WIDTH))
         i.add_incoming(ir.Constant(i64, 0), entry)
         i.add_incoming(i1, loop)
