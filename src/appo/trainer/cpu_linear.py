@@ -13,9 +13,10 @@ checkpointing's recomputation runs inside the block too, so it recomputes the sa
 `actor.cpu_matmul`: `auto` (the default) uses it where the decode rule does (an AMD CPU with
 AVX-512, float32, CPU: `uses_onednn`), `torch` never, `onednn` wherever oneDNN is
 available. Inside the block `matmul_nt` runs through oneDNN as well: the lean SwiGLU's
-down projection computes its products there, outside its `nn.Linear`. Not under FSDP (its sharded parameters' hooks wrap the modules' forwards). It
-covers the RL update and its no-grad log-prob passes, SFT (`appo sft`, the demo's cold
-start) and the critic's values and update (`appo.trainer.critic`).
+down projection computes its products there, outside its `nn.Linear`. Not under FSDP (its
+sharded parameters' hooks wrap the modules' forwards). It covers the RL update and its
+no-grad log-prob passes, SFT (`appo sft`, the demo's cold start) and the critic's values
+and update (`appo.trainer.critic`).
 """
 
 from __future__ import annotations
